@@ -1,0 +1,140 @@
+"""The interface every KV buffer backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from memsvc.core.allocator import SLOT_DTYPE
+from memsvc.core.layout import PoolLayout
+
+
+def aligned_pages(slots: np.ndarray, page_size: int) -> np.ndarray | None:
+    """The pages of ``slots`` if token ``i`` sits at offset ``i % page_size`` of
+    its page and each page holds one run of tokens, else ``None``.
+
+    That is how the allocator lays out every request, so whole pages can be
+    copied (the unused tail of the last page comes along, harmlessly: the page
+    belongs to the same request on both sides).
+    """
+    if page_size == 1:
+        return slots
+    num_tokens = slots.size
+    pages = slots[::page_size] // page_size
+    expected = np.repeat(pages, page_size)[:num_tokens] * page_size + (
+        np.arange(num_tokens, dtype=SLOT_DTYPE) % page_size
+    )
+    return pages if np.array_equal(slots, expected) else None
+
+
+def page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(index in pages, first page, run length)`` for each run of consecutive pages."""
+    if pages.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), pages.size]
+    return [(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+class KVBuffers(ABC):
+    """Owner side: the KV buffer, the ``req_to_token`` table, host buffers, copies.
+
+    ``req_to_token`` is always a host numpy array that the control plane reads
+    and writes; on ``shm`` it is the shared table itself, on ``cuda`` a host
+    mirror that :meth:`write_row` keeps in step with the device table.
+    """
+
+    layout: PoolLayout
+    req_to_token: np.ndarray
+
+    @abstractmethod
+    def handle(self) -> dict[str, Any]:
+        """A msgpack-serializable description another process can ``attach()``."""
+
+    @abstractmethod
+    def write_row(self, row: int, start: int, values: np.ndarray) -> None:
+        """``req_to_token[row, start:start+len(values)] = values`` (host and device)."""
+
+    @abstractmethod
+    def write_cells(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
+        """``req_to_token[rows[i], positions[i]] = values[i]`` (host and device)."""
+
+    @abstractmethod
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        """A host buffer of ``num_pages`` pages, shaped like ``kv[:num_pages]``."""
+
+    @abstractmethod
+    def gather_pages(self, pages: np.ndarray, out: np.ndarray) -> None:
+        """Copy pool pages into the host buffer ``out[:len(pages)]``; returns when done."""
+
+    @abstractmethod
+    def scatter_pages(self, src: np.ndarray, pages: np.ndarray) -> None:
+        """Copy host pages ``src[:len(pages)]`` into pool pages; returns when done."""
+
+    @abstractmethod
+    def read_slots(self, slots: np.ndarray) -> np.ndarray:
+        """KV of the given token slots, ``[n, layers, 2, heads, dim]`` on the host."""
+
+    @abstractmethod
+    def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
+        """Inverse of :meth:`read_slots`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the buffers (and unlink shared names). Idempotent."""
+
+    # -- request-sized copies, built on the primitives above -------------------
+
+    def copy_out(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """KV of ``slots`` (one request's tokens in order) into a host page buffer."""
+        page_size = self.layout.page_size
+        pages = aligned_pages(slots, page_size)
+        if pages is not None:
+            self.gather_pages(pages, out)
+            return
+        positions = np.arange(slots.size)
+        # advanced indices on axes 0 and 3 put the token axis first: [n, layers, 2, heads, dim]
+        out[positions // page_size, :, :, positions % page_size] = self.read_slots(slots)
+
+    def copy_in(self, src: np.ndarray, slots: np.ndarray) -> None:
+        """Inverse of :meth:`copy_out`."""
+        page_size = self.layout.page_size
+        pages = aligned_pages(slots, page_size)
+        if pages is not None:
+            self.scatter_pages(src, pages)
+            return
+        positions = np.arange(slots.size)
+        self.write_slots(slots, src[positions // page_size, :, :, positions % page_size])
+
+    def __enter__(self) -> KVBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AttachedBuffers(ABC):
+    """Attacher side: zero-copy views of another process's pool."""
+
+    layout: PoolLayout
+
+    @abstractmethod
+    def kv_torch(self) -> Any:
+        """The KV buffer as a torch tensor of shape ``layout.kv_shape``."""
+
+    @abstractmethod
+    def req_to_token_torch(self) -> Any:
+        """The ``req_to_token`` table as an int32 torch tensor."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop the mapping (the owner's segments are not removed)."""
+
+    def __enter__(self) -> AttachedBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

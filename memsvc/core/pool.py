@@ -1,0 +1,557 @@
+"""KVPool: the memsvc core as one object (buffers, allocator, table, tree, host store).
+
+The pool tracks each open request's KV as a row of ``req_to_token``::
+
+    row:  | prefix owned by the tree (locked) | the request's own slots        |
+          0                          protected_len                       kv_len
+
+``protected_len`` is page-aligned (tree keys are), so every page the request
+owns holds only its own tokens. Every page is in exactly one place: the free
+list, the radix tree, or one request (its owner tag in the allocator says
+which); :meth:`KVPool.check_integrity` verifies that and all the accounting.
+
+Every method runs to completion and either succeeds or raises a typed
+:class:`~memsvc.core.errors.MemsvcError` having changed nothing; allocation
+that cannot be satisfied returns ``None``, also without changing anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memsvc.core.allocator import (
+    OWNER_FREE,
+    OWNER_TREE,
+    SLOT_DTYPE,
+    PageAllocator,
+    extend_slots,
+    num_new_pages,
+)
+from memsvc.core.backends import create_buffers
+from memsvc.core.errors import (
+    DuplicateRequestError,
+    HostStoreFullError,
+    IntegrityError,
+    InvalidArgumentError,
+    OutOfRowsError,
+    UnknownRequestError,
+)
+from memsvc.core.host_store import HostStore
+from memsvc.core.layout import PoolLayout
+from memsvc.core.radix_cache import RadixCache, TreeNode
+from memsvc.core.req_to_token import ReqToTokenTable
+
+
+@dataclass
+class ReqKV:
+    """What the pool knows of one open request.
+
+    ``kv_len`` lives in the pool's per-row array (shared here by reference) so
+    that a decode step over a whole batch is a few vectorized numpy calls.
+    """
+
+    rid: str
+    row: int
+    last_node: TreeNode
+    kv_lens: np.ndarray = field(repr=False)
+    protected_len: int = 0  # leading positions whose slots the tree owns
+
+    @property
+    def kv_len(self) -> int:
+        """Positions with a KV slot."""
+        return int(self.kv_lens[self.row])
+
+    @kv_len.setter
+    def kv_len(self, value: int) -> None:
+        self.kv_lens[self.row] = value
+
+
+@dataclass(frozen=True)
+class RetractResult:
+    retracted: list[str]  # released (and offloaded, in offload mode), in retract order
+    offload_failed: list[str]  # released without a host copy: the host store was full
+    tokens_gained: int  # available + evictable after minus before
+    last_does_not_fit: bool  # one request left and its next step still does not fit
+
+
+def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    array = np.asarray(token_ids, dtype=np.int64)
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"token ids must be one-dimensional, got shape {array.shape}")
+    return array
+
+
+class KVPool:
+    def __init__(
+        self,
+        layout: PoolLayout,
+        *,
+        backend: str = "shm",
+        host_store_bytes: int = 0,
+        disable_radix_cache: bool = False,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.buffers = create_buffers(layout, backend, **(backend_options or {}))
+        try:
+            self.allocator = PageAllocator(layout.num_pages, layout.page_size)
+            self.table = ReqToTokenTable(self.buffers)
+            self.tree = RadixCache(self.allocator, disabled=disable_radix_cache)
+            self.host_store = HostStore(self.buffers, host_store_bytes)
+        except BaseException:
+            self.buffers.close()
+            raise
+        self._reqs: dict[str, ReqKV] = {}
+        self._rids_by_row: dict[int, str] = {}
+        self._kv_lens = np.zeros(self.table.num_rows, dtype=np.int64)
+
+    # -- sizes (tokens) --------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size()
+
+    def protected_size(self) -> int:
+        return self.tree.protected_size()
+
+    def held_size(self) -> int:
+        """Tokens on pages that live requests own (not counting their locked tree prefix)."""
+        return self.capacity - self.available_size() - self.tree.total_size()
+
+    # -- requests --------------------------------------------------------------
+
+    def open_request(self, rid: str) -> int:
+        """Give ``rid`` a ``req_to_token`` row; returns the row."""
+        if rid in self._reqs:
+            raise DuplicateRequestError(f"request {rid!r} is already open")
+        row = self.table.alloc()
+        if row is None:
+            raise OutOfRowsError(
+                f"all {self.table.num_rows - 1} req_to_token rows are in use "
+                "(raise max_running_requests)"
+            )
+        self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens)
+        self._kv_lens[row] = 0
+        self._rids_by_row[row] = rid
+        return row
+
+    def request(self, rid: str) -> ReqKV:
+        try:
+            return self._reqs[rid]
+        except KeyError:
+            raise UnknownRequestError(f"no open request {rid!r}") from None
+
+    def open_rids(self) -> list[str]:
+        return list(self._reqs)
+
+    def rid_of_row(self, row: int) -> str:
+        try:
+            return self._rids_by_row[row]
+        except KeyError:
+            raise UnknownRequestError(f"no open request in row {row}") from None
+
+    def slots(self, rid: str, start: int = 0, end: int | None = None) -> np.ndarray:
+        req = self.request(rid)
+        end = req.kv_len if end is None else end
+        if not 0 <= start <= end <= req.kv_len:
+            raise InvalidArgumentError(f"range {start}..{end} outside 0..{req.kv_len} of {rid!r}")
+        return self.table.read(req.row, start, end)
+
+    def match_prefix(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        """Reuse the longest cached prefix of ``token_ids`` for ``rid`` and lock it.
+
+        Only for a request that holds no KV yet. Returns the matched length
+        (page-aligned); those positions are written into the request's row.
+        The caller passes at most ``len(fill_ids) - 1`` tokens, so at least
+        one token is always computed.
+        """
+        req = self.request(rid)
+        if req.kv_len:
+            raise InvalidArgumentError(f"request {rid!r} already holds {req.kv_len} KV positions")
+        tokens = as_token_array(token_ids)
+        if tokens.size > self.table.max_context_len:
+            raise InvalidArgumentError(
+                f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
+            )
+        match = self.tree.match_prefix(tokens)
+        self.tree.lock(match.last_node)
+        self.table.write(req.row, 0, match.slots)
+        req.last_node = match.last_node
+        req.kv_len = req.protected_len = int(match.slots.size)
+        return req.kv_len
+
+    def extend_tokens_required(self, items: Iterable[tuple[str, int]]) -> int:
+        """Free slots an :meth:`alloc_extend` of ``items`` would consume."""
+        return self.page_size * self._pages_for_extend(list(items))[0]
+
+    def _pages_for_extend(self, items: list[tuple[str, int]]) -> tuple[int, list[int]]:
+        per_request = []
+        seen = set()
+        for rid, num_tokens in items:
+            req = self.request(rid)
+            if rid in seen:
+                raise InvalidArgumentError(f"request {rid!r} appears twice in one batch")
+            seen.add(rid)
+            if num_tokens < 0:
+                raise InvalidArgumentError(f"cannot extend {rid!r} by {num_tokens} tokens")
+            if req.kv_len + num_tokens > self.table.max_context_len:
+                raise InvalidArgumentError(
+                    f"{rid!r} would reach {req.kv_len + num_tokens} tokens, over max_context_len "
+                    f"{self.table.max_context_len}"
+                )
+            per_request.append(num_new_pages(self.page_size, req.kv_len, req.kv_len + num_tokens))
+        return sum(per_request), per_request
+
+    def alloc_extend(
+        self, items: Sequence[tuple[str, int]], *, evict: bool = True
+    ) -> np.ndarray | None:
+        """Give each ``(rid, num_tokens)`` that many new positions, all or nothing.
+
+        Returns the new slots, request after request (the forward pass's
+        output locations), or ``None`` if the pool cannot hold them even
+        after evicting the shortfall from the tree (with ``evict``).
+        """
+        items = list(items)
+        total_pages, per_request = self._pages_for_extend(items)
+        if evict:
+            self.ensure_available(total_pages * self.page_size)
+        if total_pages > self.allocator.num_free_pages:
+            return None
+        out = []
+        for (rid, num_tokens), num_pages in zip(items, per_request, strict=True):
+            req = self._reqs[rid]
+            pages = self.allocator.alloc_pages(num_pages, owner=req.row)
+            last_slot = int(self.table.array[req.row, req.kv_len - 1]) if req.kv_len else 0
+            slots = extend_slots(pages, self.page_size, req.kv_len, num_tokens, last_slot)
+            self.table.write(req.row, req.kv_len, slots)
+            req.kv_len += num_tokens
+            out.append(slots)
+        return np.concatenate(out) if out else np.empty(0, dtype=SLOT_DTYPE)
+
+    def decode_tokens_required(self, rids: Iterable[str]) -> int:
+        """``page_size × #(requests whose next position opens a new page)``."""
+        return self.page_size * sum(
+            1 for rid in rids if self.request(rid).kv_len % self.page_size == 0
+        )
+
+    def check_decode_mem(self, rids: Iterable[str]) -> bool:
+        """Evict the shortfall for the next decode step, then say whether it fits."""
+        needed = self.decode_tokens_required(rids)
+        self.ensure_available(needed)
+        return self.available_size() >= needed
+
+    def alloc_decode(self, rids: Sequence[str], *, evict: bool = True) -> np.ndarray | None:
+        """One new position per request (a decode step), all or nothing."""
+        rows = np.array([self.request(rid).row for rid in rids], dtype=np.int64)
+        return self.alloc_decode_rows(rows, evict=evict)
+
+    def decode_tokens_required_rows(self, rows: np.ndarray) -> int:
+        return self.page_size * int((self._kv_lens[rows] % self.page_size == 0).sum())
+
+    def alloc_decode_rows(self, rows: np.ndarray, *, evict: bool = True) -> np.ndarray | None:
+        """:meth:`alloc_decode` by ``req_to_token`` row, vectorized over the batch.
+
+        ::
+
+            kv_len % page_size == 0  ->  a fresh page, slot page * page_size
+            otherwise                ->  the slot after the previous position's
+        """
+        rows = self._check_rows(rows)
+        kv_lens = self._kv_lens[rows]
+        if (kv_lens >= self.table.max_context_len).any():
+            raise InvalidArgumentError(
+                f"a request would exceed max_context_len {self.table.max_context_len}"
+            )
+        opens_page = kv_lens % self.page_size == 0
+        num_pages = int(opens_page.sum())
+        if evict:
+            self.ensure_available(num_pages * self.page_size)
+        pages = self.allocator.alloc_pages(num_pages, owner=rows[opens_page])
+        if pages is None:
+            return None
+        slots = np.empty(rows.size, dtype=SLOT_DTYPE)
+        slots[opens_page] = pages * self.page_size
+        same_page = ~opens_page
+        slots[same_page] = self.table.array[rows[same_page], kv_lens[same_page] - 1] + 1
+        self.table.write_cells(rows, kv_lens, slots)
+        self._kv_lens[rows] += 1
+        return slots
+
+    def _check_rows(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1:
+            raise InvalidArgumentError("rows must be one-dimensional")
+        if rows.size and (
+            rows.min() < 1 or rows.max() >= self.table.num_rows or not self.table.is_open(rows)
+        ):
+            raise UnknownRequestError("a row in the batch holds no open request")
+        if np.unique(rows).size != rows.size:
+            raise InvalidArgumentError("a request appears twice in one batch")
+        return rows
+
+    def check_decode_mem_rows(self, rows: np.ndarray) -> bool:
+        needed = self.decode_tokens_required_rows(rows)
+        self.ensure_available(needed)
+        return self.available_size() >= needed
+
+    def retract(
+        self, rows: Sequence[int] | np.ndarray, *, offload: bool, retract_decode_steps: int
+    ) -> RetractResult:
+        """Release requests from the end of ``rows`` until the next decode step fits.
+
+        ``rows`` is the decode batch in the scheduler's victim order, most
+        worth keeping first. At least one request is retracted when there are
+        two or more, the last one never is; after each release the tree gives
+        up ``remaining × retract_decode_steps`` tokens (the shortfall only) so
+        the freed prefix is usable at once. With ``offload`` a victim's KV goes
+        to the host store first; a victim the store cannot take is released
+        all the same and reported in ``offload_failed`` (the scheduler aborts
+        it). Retracted requests are closed (their rows freed).
+        """
+        order = self._check_rows(np.asarray(rows)).tolist()
+        tokens_before = self.available_size() + self.evictable_size()
+        retracted: list[str] = []
+        offload_failed: list[str] = []
+        first = True
+        while first or not self.check_decode_mem_rows(np.asarray(order, dtype=np.int64)):
+            if len(order) <= 1:
+                break
+            first = False
+            rid = self._rids_by_row[order.pop()]
+            victims = retracted
+            if offload:
+                try:
+                    self.offload(rid)
+                except HostStoreFullError:
+                    victims = offload_failed
+            self.release(rid, is_insert=False)
+            victims.append(rid)
+            self.ensure_available(len(order) * retract_decode_steps)
+        last_does_not_fit = len(order) <= 1 and not self.check_decode_mem_rows(
+            np.asarray(order, dtype=np.int64)
+        )
+        return RetractResult(
+            retracted=retracted,
+            offload_failed=offload_failed,
+            tokens_gained=self.available_size() + self.evictable_size() - tokens_before,
+            last_does_not_fit=last_does_not_fit,
+        )
+
+    def evict(self, num_tokens: int) -> int:
+        return self.tree.evict(num_tokens)
+
+    def ensure_available(self, num_tokens: int) -> None:
+        """Evict from the tree only what is missing for ``num_tokens`` free slots."""
+        shortfall = num_tokens - self.available_size()
+        if shortfall > 0:
+            self.tree.evict(shortfall)
+
+    def cache_unfinished(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        """Publish a running request's page-aligned KV to the tree; returns the new prefix len.
+
+        ``token_ids`` are the request's tokens whose KV is written (``kv_len`` of them).
+        """
+        req = self.request(rid)
+        tokens = self._committed_tokens(req, token_ids)
+        kv_slots = self.table.read(req.row, 0, req.kv_len)
+        cached = self.tree.cache_unfinished_req(tokens, kv_slots, req.protected_len, req.last_node)
+        self._hand_to_tree(req, kv_slots[req.protected_len : cached.protected_len])
+        self.table.write(req.row, req.protected_len, cached.slots[req.protected_len :])
+        req.protected_len, req.last_node = cached.protected_len, cached.last_node
+        return req.protected_len
+
+    def release(
+        self,
+        rid: str,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        *,
+        is_insert: bool = True,
+    ) -> None:
+        """Close ``rid``: insert its KV into the tree (``is_insert``) or free it, free the row.
+
+        Retract uses ``is_insert=False``: the tree prefix stays (unlocked,
+        evictable), everything after it is freed, nothing is inserted.
+        """
+        req = self.request(rid)
+        if is_insert:
+            if token_ids is None:
+                raise InvalidArgumentError("release with is_insert=True needs the token ids")
+            tokens = self._committed_tokens(req, token_ids)
+        else:
+            tokens = np.zeros(req.kv_len, dtype=np.int64)  # only the length matters
+        kv_slots = self.table.read(req.row, 0, req.kv_len)
+        self.tree.cache_finished_req(
+            tokens, kv_slots, req.protected_len, req.last_node, is_insert=is_insert
+        )
+        if is_insert:
+            self._hand_to_tree(req, kv_slots[req.protected_len :])
+        self.table.free(req.row)
+        del self._reqs[rid]
+        del self._rids_by_row[req.row]
+
+    def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        tokens = as_token_array(token_ids)
+        if tokens.size != req.kv_len:
+            raise InvalidArgumentError(
+                f"{req.rid!r} has KV for {req.kv_len} tokens, got {tokens.size} token ids"
+            )
+        return tokens
+
+    def _hand_to_tree(self, req: ReqKV, slots: np.ndarray) -> None:
+        """Pages of ``slots`` that the request still owns after an insert now belong to the tree."""
+        if not slots.size:
+            return
+        pages = np.unique(slots // self.page_size)
+        owners = self.allocator.owners()[pages]
+        # Duplicates were freed by the tree and the unaligned tail stays the
+        # request's (or was freed): what the request still owns here was inserted.
+        self.allocator.set_owner(pages[owners == req.row], OWNER_TREE, expected=req.row)
+
+    # -- host store ------------------------------------------------------------
+
+    def offload(self, rid: str, num_tokens: int | None = None) -> int:
+        """Copy the KV of the first ``num_tokens`` positions of ``rid`` to the host store."""
+        req = self.request(rid)
+        num_tokens = req.kv_len if num_tokens is None else num_tokens
+        if not 0 <= num_tokens <= req.kv_len:
+            raise InvalidArgumentError(
+                f"cannot offload {num_tokens} tokens of {rid!r}, which has {req.kv_len}"
+            )
+        return self.host_store.offload(rid, self.table.read(req.row, 0, num_tokens))
+
+    def load(self, rid: str, *, evict: bool = True) -> np.ndarray | None:
+        """Bring ``rid``'s offloaded KV back into fresh slots of its (empty) row.
+
+        Returns the slots, or ``None`` (nothing changed) when the pool has no room.
+        """
+        req = self.request(rid)
+        if req.kv_len:
+            raise InvalidArgumentError(f"load needs an empty row; {rid!r} holds {req.kv_len}")
+        num_tokens = self.host_store.num_tokens(rid)
+        slots = self.alloc_extend([(rid, num_tokens)], evict=evict)
+        if slots is not None:
+            self.host_store.load(rid, slots)
+        return slots
+
+    def host_discard(self, rid: str) -> None:
+        self.host_store.discard(rid)
+
+    # -- integrity -------------------------------------------------------------
+
+    def check_integrity(self, *, idle: bool = False) -> None:
+        """Raise :class:`IntegrityError` unless every page is in exactly one place
+        and every counter agrees; with ``idle``, also that nothing is held."""
+        problems: list[str] = []
+        page_size = self.page_size
+        owners = np.array(self.allocator.owners())
+        num_pages = self.layout.num_pages
+
+        free_list = np.array(self.allocator.free_page_list(), dtype=SLOT_DTYPE)
+        if np.unique(free_list).size != free_list.size:
+            problems.append("a page is on the free list twice")
+        if free_list.size != int((owners == OWNER_FREE).sum()) or (
+            free_list.size and (owners[free_list] != OWNER_FREE).any()
+        ):
+            problems.append("free list and owner tags disagree")
+
+        # The tree: every node's pages are tree-owned, no page in two nodes.
+        try:
+            self.tree.check()
+        except IntegrityError as exc:
+            problems.append(f"radix tree: {exc}")
+        tree_pages = [node.value[::page_size] // page_size for node in self.tree.iter_nodes()]
+        tree_pages_all = np.concatenate(tree_pages) if tree_pages else np.empty(0, SLOT_DTYPE)
+        if np.unique(tree_pages_all).size != tree_pages_all.size:
+            problems.append("a page is in two tree nodes")
+        if tree_pages_all.size != int((owners == OWNER_TREE).sum()) or (
+            tree_pages_all.size and (owners[tree_pages_all] != OWNER_TREE).any()
+        ):
+            problems.append("tree nodes and owner tags disagree")
+        if tree_pages_all.size * page_size != self.tree.total_size():
+            problems.append("tree size counter disagrees with its nodes")
+
+        # Requests: own pages tagged with their row, prefix pages tree-owned, locks exact.
+        expected_locks: Counter[int] = Counter()
+        nodes_by_id: dict[int, TreeNode] = {id(n): n for n in self.tree.iter_nodes()}
+        live_rows = set()
+        for req in self._reqs.values():
+            live_rows.add(req.row)
+            if req.protected_len % page_size or req.protected_len > req.kv_len:
+                problems.append(f"{req.rid}: protected_len {req.protected_len} is off")
+                continue
+            slots = self.table.read(req.row, 0, req.kv_len)
+            prefix_pages = slots[: req.protected_len : page_size] // page_size
+            own_pages = np.unique(slots[req.protected_len :] // page_size)
+            if prefix_pages.size and (owners[prefix_pages] != OWNER_TREE).any():
+                problems.append(f"{req.rid}: locked prefix is not tree-owned")
+            if own_pages.size and (owners[own_pages] != req.row).any():
+                problems.append(f"{req.rid}: holds pages it does not own")
+            if own_pages.size != int((owners == req.row).sum()):
+                problems.append(f"{req.rid}: owns pages outside its row (leak)")
+            node = req.last_node
+            while node is not self.tree.root and node is not None:
+                expected_locks[id(node)] += 1
+                node = node.parent
+        stray = set(np.unique(owners[1:][owners[1:] > 0]).tolist()) - live_rows
+        if stray:
+            problems.append(f"pages owned by closed rows {sorted(stray)[:8]}")
+        if (owners[1:] < OWNER_TREE).any():
+            problems.append("pages with an anonymous or reserved owner")
+        for node_id, node in nodes_by_id.items():
+            if node.lock_ref != expected_locks.get(node_id, 0):
+                problems.append(
+                    f"tree node lock_ref {node.lock_ref} != {expected_locks.get(node_id, 0)} "
+                    "locks held by open requests"
+                )
+                break
+        if set(self.table.rows_in_use().tolist()) != live_rows:
+            problems.append("req_to_token rows in use do not match open requests")
+
+        held = int((owners[1:] > 0).sum()) * page_size
+        total = self.available_size() + self.evictable_size() + self.protected_size() + held
+        if total != num_pages * page_size:
+            problems.append(
+                f"available {self.available_size()} + evictable {self.evictable_size()} + "
+                f"protected {self.protected_size()} + held {held} != capacity {self.capacity}"
+            )
+        host_bytes = sum(self.host_store.entry_bytes(rid) for rid in self.host_store.rids())
+        if host_bytes != self.host_store.used_bytes or host_bytes > self.host_store.capacity_bytes:
+            problems.append("host store byte accounting is off")
+
+        if idle:
+            if self._reqs:
+                problems.append(f"idle but {len(self._reqs)} requests are open")
+            if self.protected_size():
+                problems.append(f"idle but protected = {self.protected_size()}")
+            if self.available_size() + self.evictable_size() != self.capacity:
+                problems.append("idle but available + evictable != capacity")
+            if len(self.host_store):
+                problems.append(f"idle but the host store holds {len(self.host_store)} entries")
+        if problems:
+            raise IntegrityError("; ".join(problems))
+
+    # -- lifetime --------------------------------------------------------------
+
+    def close(self) -> None:
+        self.buffers.close()
+
+    def __enter__(self) -> KVPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,393 @@
+"""Radix prefix cache: token-id prefixes mapped to the KV slots that hold them.
+
+Page-aligned: keys are cut to a multiple of ``page_size``, so every node covers
+whole pages (``value[i*ps:(i+1)*ps]`` is one page, in order) and children are
+found by their first page of token ids. A running request locks the deepest
+node of its prefix, pinning the path to the root; tokens in locked nodes are
+*protected*, the rest *evictable*. ``evict`` frees unlocked leaves, least
+recently used first by a logical clock, so the order is deterministic.
+
+Ownership: ``insert`` takes the slots of the new part of the key and never
+frees; the caller frees its duplicates of the part already cached. Only
+``evict`` and the ``cache_*_req`` hand-backs free slots. A call that raises
+``InvalidArgumentError`` has changed nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
+from memsvc.core.errors import IntegrityError, InvalidArgumentError
+
+_EMPTY = np.empty(0, dtype=SLOT_DTYPE)
+
+
+@dataclass(slots=True, eq=False)
+class TreeNode:
+    """One edge of the tree: token ids ``key`` whose KV lives in slots ``value``."""
+
+    key: np.ndarray
+    value: np.ndarray
+    parent: TreeNode | None = field(repr=False)
+    node_id: int  # creation order; breaks LRU ties deterministically
+    children: dict[bytes, TreeNode] = field(default_factory=dict, repr=False)
+    lock_ref: int = 0
+    last_access_time: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MatchResult:
+    slots: np.ndarray  # tree slots of the matched prefix; a copy, page multiple long
+    last_node: TreeNode  # deepest matched node, the root if nothing matched
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CachedPrefix:
+    slots: np.ndarray  # the request's new slot row: tree slots, then its own unaligned tail
+    protected_len: int  # tokens of ``slots`` that now belong to the tree
+    last_node: TreeNode  # the node the request now holds locked
+
+
+def _as_int_array(values: object, what: str) -> np.ndarray:
+    try:
+        array = np.asarray(values)
+    except ValueError as exc:  # ragged nested lists
+        raise InvalidArgumentError(f"{what} must be a 1-D integer array: {exc}") from exc
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgumentError(f"{what} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def _common_len(node_key: np.ndarray, key: np.ndarray, page_size: int) -> int:
+    """Length of the common prefix of two keys, rounded down to whole pages."""
+    n = min(len(node_key), len(key))
+    mismatch = np.flatnonzero(node_key[:n] != key[:n])
+    common = int(mismatch[0]) if mismatch.size else n
+    return common - common % page_size
+
+
+class RadixCache:
+    """Prefix tree of token ids over a ``PageAllocator``'s slots. Synchronous, no I/O."""
+
+    def __init__(self, allocator: PageAllocator, *, disabled: bool = False) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.disabled = disabled
+        self._page_offsets = np.arange(self.page_size, dtype=SLOT_DTYPE)
+        self._clock = 0
+        self._num_nodes_created = 0
+        self._num_evictable_tokens = 0
+        self._num_protected_tokens = 0
+        self.root = self._new_node(_EMPTY, _EMPTY, None)
+        self.root.lock_ref = 1  # the root is never evicted nor counted
+
+    # -- sizes -----------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        return self._num_evictable_tokens
+
+    def protected_size(self) -> int:
+        return self._num_protected_tokens
+
+    def total_size(self) -> int:
+        return self._num_evictable_tokens + self._num_protected_tokens
+
+    # -- lookup and insert ----------------------------------------------------
+
+    def match_prefix(self, token_ids: object) -> MatchResult:
+        """Longest cached page-aligned prefix. Splits a node the match ends inside of."""
+        key = self._as_key(token_ids)
+        if self.disabled:
+            return MatchResult(_EMPTY.copy(), self.root)
+        last_node, _, values = self._descend(key)
+        slots = np.concatenate(values) if values else _EMPTY.copy()
+        return MatchResult(slots, last_node)
+
+    def insert(self, token_ids: object, slots: object) -> int:
+        """Insert the page-aligned part of the key; return how many tokens were already cached.
+
+        The tree takes ownership of ``slots[prefix_len:K]``; the caller still owns
+        (and must free) ``slots[:prefix_len]`` and anything past ``K``.
+        """
+        key = self._as_key(token_ids)
+        slots = _as_int_array(slots, "slots")
+        if len(slots) < len(key):
+            raise InvalidArgumentError(f"{len(slots)} slots for a {len(key)}-token key")
+        slots = slots[: len(key)]
+        self._check_page_runs(slots, "slots")
+        if self.disabled:
+            return 0
+        return self._insert(key, slots)[0]
+
+    # -- locks ---------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Pin ``node`` and its ancestors against eviction (the root is always pinned)."""
+        self._check_attached(node)
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._num_evictable_tokens -= len(node.key)
+                self._num_protected_tokens += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        self._check_attached(node)
+        # Ancestors hold at least the node's count, so checking the node covers the path.
+        if node is not self.root and node.lock_ref == 0:
+            raise InvalidArgumentError(f"unlock of node {node.node_id}, which is not locked")
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_protected_tokens -= len(node.key)
+                self._num_evictable_tokens += len(node.key)
+            node = node.parent
+
+    # -- eviction --------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed.
+
+        Returns the tokens freed: at least ``num_tokens`` (whole nodes go), or all
+        that was evictable.
+        """
+        if num_tokens < 0:
+            raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
+        if num_tokens == 0:
+            return 0
+        leaves = [n for n in self.iter_nodes() if self._is_free_leaf(n)]
+        heap = [(leaf.last_access_time, leaf.node_id, leaf) for leaf in leaves]
+        heapq.heapify(heap)
+        num_evicted = 0
+        freed_values = []
+        while num_evicted < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._page_key(leaf.key)]
+            leaf.parent = None  # marks it detached: lock/unlock refuse it from now on
+            freed_values.append(leaf.value)
+            num_evicted += len(leaf.key)
+            if self._is_free_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+        self._num_evictable_tokens -= num_evicted
+        if freed_values:
+            self.allocator.free(np.concatenate(freed_values))
+        return num_evicted
+
+    # -- requests handing their KV back ----------------------------------------
+
+    def cache_finished_req(
+        self,
+        token_ids: object,
+        kv_slots: object,
+        protected_len: int,
+        last_node: TreeNode,
+        *,
+        is_insert: bool,
+    ) -> None:
+        """A request is done with its KV: keep what the tree wants, free the rest, unlock.
+
+        ::
+
+            kv_slots  |<- tree's, locked ->|<- request's own, whole pages ->|<- tail ->|
+                      0            protected_len                            K          L
+            is_insert:  [protected_len, new_prefix_len) duplicates: freed
+                        [new_prefix_len, K) moves into the tree
+            otherwise:  [protected_len, K) freed (retract: generated KV is not cached)
+            both:       [K, L) freed; last_node unlocked
+        """
+        keys, kv_slots = self._check_request(token_ids, kv_slots, protected_len, last_node)
+        if is_insert and not self.disabled:
+            new_prefix_len = self._insert(keys, kv_slots[: len(keys)])[0]
+            released = np.concatenate(
+                [kv_slots[protected_len:new_prefix_len], kv_slots[len(keys) :]]
+            )
+        else:
+            released = kv_slots[protected_len:]
+        self.allocator.free(released)
+        self.unlock(last_node)
+
+    def cache_unfinished_req(
+        self, token_ids: object, kv_slots: object, protected_len: int, last_node: TreeNode
+    ) -> CachedPrefix:
+        """A running request publishes its page-aligned prefix and keeps running on the tree's copy.
+
+        ::
+
+            kv_slots  |<- tree's ->|<- own: dups freed, rest into tree ->|<- tail, kept ->|
+                      0     protected_len                                K                L
+            returned  |<------------- tree slots, locked ------------->|<- tail ------->|
+        """
+        keys, kv_slots = self._check_request(token_ids, kv_slots, protected_len, last_node)
+        if self.disabled:
+            return CachedPrefix(kv_slots, protected_len, last_node)
+        aligned_len = len(keys)
+        new_prefix_len, new_last_node, values = self._insert(keys, kv_slots[:aligned_len])
+        self.allocator.free(kv_slots[protected_len:new_prefix_len])
+        # Lock the new path first so the shared part never drops to 0 in between.
+        self.lock(new_last_node)
+        self.unlock(last_node)
+        slots = np.concatenate([*values, kv_slots[aligned_len:]])
+        return CachedPrefix(slots, aligned_len, new_last_node)
+
+    # -- integrity ---------------------------------------------------------------
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check(self) -> None:
+        """Raise ``IntegrityError`` unless the tree's shape, locks and counters agree.
+
+        Which pages are where is the pool's check (it counts ``iter_nodes`` pages).
+        """
+        root, ps = self.root, self.page_size
+        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
+            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
+        if self.disabled and root.children:
+            raise IntegrityError("a disabled cache holds nodes")
+        num_tokens = {True: 0, False: 0}  # by "is locked"
+        stack = [root]
+        while stack:
+            parent = stack.pop()
+            for page_key, node in parent.children.items():
+                where, key_len = f"node {node.node_id}", len(node.key)
+                if node.parent is not parent or self._page_key(node.key) != page_key:
+                    raise IntegrityError(f"{where}: wrong parent link or child key")
+                if not key_len or key_len != len(node.value) or key_len % ps:
+                    raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
+                if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
+                    raise IntegrityError(
+                        f"{where}: lock_ref {node.lock_ref}, parent's {parent.lock_ref}"
+                    )
+                try:
+                    self._check_page_runs(node.value, where)
+                except InvalidArgumentError as exc:
+                    raise IntegrityError(str(exc)) from exc
+                num_tokens[node.lock_ref > 0] += key_len
+                stack.append(node)
+        counters = (self._num_evictable_tokens, self._num_protected_tokens)
+        if counters != (num_tokens[False], num_tokens[True]):
+            raise IntegrityError(
+                f"(evictable, protected) counters say {counters}, the tree holds"
+                f" {(num_tokens[False], num_tokens[True])}"
+            )
+
+    # -- internals -----------------------------------------------------------------
+
+    def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
+        self._num_nodes_created += 1
+        return TreeNode(key, value, parent, self._num_nodes_created)
+
+    def _page_key(self, key: np.ndarray, start: int = 0) -> bytes:
+        return key[start : start + self.page_size].tobytes()
+
+    def _as_key(self, token_ids: object) -> np.ndarray:
+        token_ids = _as_int_array(token_ids, "token_ids")
+        return token_ids[: len(token_ids) - len(token_ids) % self.page_size]
+
+    def _descend(self, key: np.ndarray) -> tuple[TreeNode, int, list[np.ndarray]]:
+        """Walk ``key`` as far as it matches, refreshing access times and splitting the
+        last node if the match ends inside it; return (node, matched_len, path values)."""
+        self._clock += 1
+        node, matched_len, values = self.root, 0, []
+        while matched_len < len(key):
+            child = node.children.get(self._page_key(key, matched_len))
+            if child is None:
+                break
+            common = _common_len(child.key, key[matched_len:], self.page_size)
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access_time = self._clock
+            values.append(child.value)
+            matched_len += common
+            node = child
+        return node, matched_len, values
+
+    def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
+        """Insert validated arrays; return (already-cached length, deepest node, path values)."""
+        node, prefix_len, values = self._descend(key)
+        if prefix_len < len(key):
+            # Copies: the caller may reuse its arrays, the tree must not see that.
+            leaf = self._new_node(key[prefix_len:].copy(), slots[prefix_len:].copy(), node)
+            leaf.last_access_time = self._clock
+            node.children[self._page_key(leaf.key)] = leaf
+            self._num_evictable_tokens += len(leaf.key)
+            values.append(leaf.value)
+            node = leaf
+        return prefix_len, node, values
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``node`` after ``split_len`` tokens; return the new upper half.
+
+        ``node`` keeps the lower half, so a request holding it as its last node
+        still ends at the same token. Copying lock_ref keeps the counters right.
+        """
+        upper = self._new_node(node.key[:split_len], node.value[:split_len], node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access_time = node.last_access_time
+        node.parent.children[self._page_key(upper.key)] = upper
+        node.key = node.key[split_len:]
+        node.value = node.value[split_len:]
+        node.parent = upper
+        upper.children[self._page_key(node.key)] = node
+        return upper
+
+    def _is_free_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root and not node.children and node.lock_ref == 0
+
+    def _check_attached(self, node: TreeNode) -> None:
+        if node.parent is None and node is not self.root:
+            raise InvalidArgumentError(f"node {node.node_id} is not in the tree (evicted?)")
+
+    def _depth(self, node: TreeNode) -> int:
+        self._check_attached(node)
+        depth = 0
+        while node is not self.root:
+            depth += len(node.key)
+            node = node.parent
+        return depth
+
+    def _check_page_runs(self, slots: np.ndarray, what: str) -> None:
+        """Slots must lie in the pool, each page's run being that whole page in order."""
+        self.allocator.check_slots(slots)
+        if self.page_size == 1 or not slots.size:
+            return
+        runs = slots.reshape(-1, self.page_size)
+        if (runs[:, 0] % self.page_size).any() or (runs - runs[:, :1] != self._page_offsets).any():
+            raise InvalidArgumentError(f"{what}: each page-sized run must be one whole page")
+
+    def _check_request(
+        self, token_ids: object, kv_slots: object, protected_len: int, last_node: TreeNode
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Validate a request hand-back; return (page-aligned keys, kv_slots)."""
+        token_ids = _as_int_array(token_ids, "token_ids")
+        kv_slots = _as_int_array(kv_slots, "kv_slots")
+        if len(kv_slots) != len(token_ids):
+            raise InvalidArgumentError(f"{len(kv_slots)} kv_slots for {len(token_ids)} tokens")
+        keys = self._as_key(token_ids)
+        if not 0 <= protected_len <= len(keys) or protected_len % self.page_size:
+            raise InvalidArgumentError(
+                f"protected_len {protected_len} must be a page multiple in 0..{len(keys)}"
+            )
+        # The locked node must end exactly where the tree's slots end, or the
+        # ranges freed below would include slots the tree owns.
+        depth = self._depth(last_node)
+        if depth != protected_len:
+            raise InvalidArgumentError(f"last_node ends at {depth}, protected_len {protected_len}")
+        if last_node is not self.root and last_node.lock_ref == 0:
+            raise InvalidArgumentError(f"last_node {last_node.node_id} is not locked")
+        self._check_page_runs(kv_slots[protected_len : len(keys)], "kv_slots")
+        self.allocator.check_slots(kv_slots[len(keys) :])
+        return keys, kv_slots

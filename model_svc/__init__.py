@@ -1,0 +1,1 @@
+"""model_svc: the model worker over the shared KV pool (to come)."""

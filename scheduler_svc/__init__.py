@@ -1,0 +1,1 @@
+"""scheduler_svc: requests, admission, retract (to come)."""
