@@ -159,6 +159,9 @@ class KVPool:
     def open_rids(self) -> list[str]:
         return list(self._reqs)
 
+    def is_open(self, rid: str) -> bool:
+        return rid in self._reqs
+
     def rid_of_row(self, row: int) -> str:
         try:
             return self._rids_by_row[row]

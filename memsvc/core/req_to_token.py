@@ -61,6 +61,12 @@ class ReqToTokenTable:
         """Whether every one of ``rows`` (in range) is allocated."""
         return bool(self._row_in_use[rows].all())
 
+    def in_use_mask(self) -> np.ndarray:
+        """A boolean per row (a read-only view)."""
+        view = self._row_in_use.view()
+        view.flags.writeable = False
+        return view
+
     def rows_in_use(self) -> np.ndarray:
         return np.flatnonzero(self._row_in_use)
 

@@ -1,0 +1,219 @@
+"""``python -m memsvc``: run the kvstack memory service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from memsvc.core import KVPool, PoolLayout
+from memsvc.core.backends import BACKENDS
+from memsvc.core.errors import MemsvcError
+from memsvc.handlers import MemService, ServiceConfig
+from memsvc.metrics import Metrics
+from memsvc.server import CurveServerKeys, MemServer, check_listen_address, default_listen_address
+
+log = logging.getLogger("memsvc")
+
+
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memsvc",
+        description="kvstack memory service: owns the KV pool, the req_to_token table, the "
+        "radix prefix cache and the host store, and serves them over ZMQ.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    pool = parser.add_argument_group("pool layout (must match the model)")
+    pool.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    pool.add_argument("--num-kv-heads", type=int, default=2, help="KV heads per layer")
+    pool.add_argument("--head-dim", type=int, default=64, help="dimension of one head")
+    pool.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        default="float32",
+        help="KV element type",
+    )
+    pool.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    pool.add_argument(
+        "--num-pages",
+        type=int,
+        default=1024,
+        help="usable pages (capacity = num_pages x page_size tokens)",
+    )
+    pool.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=256,
+        help="req_to_token rows (requests holding KV at once)",
+    )
+    pool.add_argument(
+        "--max-context-len",
+        type=int,
+        default=4096,
+        help="longest request (prompt + output) in tokens",
+    )
+    pool.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="no prefix reuse: finished requests' KV is freed, not cached",
+    )
+
+    mem = parser.add_argument_group("memory")
+    mem.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="shm",
+        help="shm: POSIX shared memory (no GPU); cuda: cupy + CUDA IPC",
+    )
+    mem.add_argument("--device", type=int, default=0, help="GPU index for --backend cuda")
+    mem.add_argument(
+        "--host-store-bytes",
+        type=int,
+        default=None,
+        help="CPU RAM for offloaded KV (default: the size of the KV pool)",
+    )
+    mem.add_argument(
+        "--retract-decode-steps",
+        type=int,
+        default=env_int("SGLANG_RETRACT_DECODE_STEPS", 20),
+        help="after each retract release, evict remaining x this many tokens "
+        "(env SGLANG_RETRACT_DECODE_STEPS)",
+    )
+
+    net = parser.add_argument_group("service")
+    net.add_argument(
+        "--listen",
+        default=None,
+        help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc:// socket in a "
+        "private runtime folder, printed at start)",
+    )
+    net.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --listen address (use CURVE with it)",
+    )
+    net.add_argument(
+        "--curve-secret-key",
+        default=None,
+        help="server certificate (zmq.auth format) turning on CURVE encryption",
+    )
+    net.add_argument(
+        "--curve-clients",
+        default=None,
+        help="folder of authorized client public certificates (with CURVE)",
+    )
+    net.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=64 << 20,
+        help="larger requests get a too_large error reply",
+    )
+    net.add_argument(
+        "--reap-interval",
+        type=float,
+        default=0.25,
+        help="seconds between checks for expired session leases",
+    )
+    net.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {address, epoch, pid, metrics_port} as JSON here once serving",
+    )
+    net.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
+    )
+    net.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        listen = args.listen or default_listen_address()
+        check_listen_address(listen, allow_remote=args.allow_remote)
+        if bool(args.curve_secret_key) != bool(args.curve_clients):
+            raise MemsvcError("--curve-secret-key and --curve-clients go together")
+        layout = PoolLayout(
+            num_layers=args.num_layers,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            dtype=args.dtype,
+            max_running_requests=args.max_running_requests,
+            max_context_len=args.max_context_len,
+        )
+        host_bytes = layout.kv_bytes if args.host_store_bytes is None else args.host_store_bytes
+        options = {"device": args.device} if args.backend == "cuda" else {}
+        pool = KVPool(
+            layout,
+            backend=args.backend,
+            host_store_bytes=host_bytes,
+            disable_radix_cache=args.disable_radix_cache,
+            backend_options=options,
+        )
+    except MemsvcError as exc:
+        print(f"memsvc: error: {exc}", file=sys.stderr)
+        return 2
+    metrics_server = None
+    try:
+        registry = None
+        metrics_port = args.metrics_port
+        if metrics_port is not None:
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            registry = CollectorRegistry()
+            metrics_server, _ = start_http_server(metrics_port, "127.0.0.1", registry)
+            metrics_port = metrics_server.server_port
+            log.info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
+        metrics = Metrics(registry)
+        service = MemService(
+            pool,
+            ServiceConfig(
+                retract_decode_steps=args.retract_decode_steps,
+                max_message_bytes=args.max_message_bytes,
+            ),
+            metrics,
+        )
+        metrics.watch(service)
+        curve = (
+            CurveServerKeys(args.curve_secret_key, args.curve_clients)
+            if args.curve_secret_key
+            else None
+        )
+        server = MemServer(
+            service,
+            listen,
+            reap_interval_s=args.reap_interval,
+            curve=curve,
+            ready_file=args.ready_file,
+            metrics_port=metrics_port,
+        )
+        asyncio.run(server.run())
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,509 @@
+"""Clients of memsvc: :class:`MemClient` (sync) and :class:`AsyncMemClient` (asyncio).
+
+Both speak the same protocol through the same op definitions (:class:`_Ops`);
+only the way a message is sent and its reply awaited differs. Every call has
+a timeout and is retried with the same ``op_id`` (the service answers a
+retried mutating op from its reply cache, so it is never applied twice). A
+service that stays silent through every retry raises :class:`PeerDeadError`;
+one that restarted (a new epoch) raises :class:`EpochChangedError`. Neither
+ever hangs. Heartbeats keep the session's lease alive in the background and
+stop with :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from memsvc import protocol as p
+from memsvc.core import errors
+from memsvc.core.backends import AttachedBuffers
+from memsvc.core.backends import attach as attach_handle
+from memsvc.core.layout import PoolLayout
+from memsvc.sessions import NotOwnerError, UnknownSessionError
+
+
+class PeerDeadError(errors.MemsvcError):
+    """memsvc did not answer within the timeout, through every retry."""
+
+    code = "peer_dead"
+
+
+class EpochChangedError(errors.MemsvcError):
+    """memsvc restarted: its pool is new and empty, this session is gone."""
+
+    code = "epoch_changed"
+
+    def __init__(self, message: str, new_epoch: str | None) -> None:
+        super().__init__(message)
+        self.new_epoch = new_epoch
+
+
+class RequestRejectedError(errors.MemsvcError):
+    """The service could not parse or validate the request (malformed, bad field, too large)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _error_classes() -> dict[str, type[errors.MemsvcError]]:
+    found: dict[str, type[errors.MemsvcError]] = {}
+    pending = [errors.MemsvcError]
+    while pending:
+        cls = pending.pop()
+        found.setdefault(cls.code, cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+_ERRORS_BY_CODE = {
+    **_error_classes(),
+    "unknown_session": UnknownSessionError,
+    "not_owner": NotOwnerError,
+}
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """The pool's sizes as of the last reply (every reply carries them)."""
+
+    available: int
+    evictable: int
+    protected: int
+
+
+@dataclass(frozen=True)
+class AllocResult:
+    """``alloc_extend`` / ``decode_step`` / ``load``: the new slots, or what is missing."""
+
+    fits: bool
+    slots: np.ndarray | None = None
+    missing: int = 0
+
+
+@dataclass(frozen=True)
+class RetractReply:
+    retracted: list[str]
+    offload_failed: list[str]
+    tokens_gained: int
+    last_does_not_fit: bool
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    server_public_key: bytes
+    public_key: bytes
+    secret_key: bytes
+
+    @classmethod
+    def from_files(cls, server_cert: str, client_cert: str) -> CurveClientKeys:
+        """The server's public certificate and this client's secret certificate."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_cert)
+        public, secret = zmq.auth.load_certificate(client_cert)
+        if secret is None:
+            raise errors.InvalidArgumentError(f"{client_cert} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+@dataclass(frozen=True)
+class _Call:
+    op: str
+    fields: dict[str, Any]
+    arrays: dict[str, np.ndarray] | None
+    parse: Callable[[dict[str, Any], dict[str, np.ndarray]], Any]
+
+
+def _as_array(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=p.ARRAY_DTYPE).reshape(-1)
+
+
+def _alloc_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> AllocResult:
+    if header["fits"]:
+        return AllocResult(True, arrays["slots"])
+    return AllocResult(False, None, int(header["missing"]))
+
+
+def _nothing(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    return None
+
+
+class _Ops:
+    """Every memsvc op, as a call description; subclasses decide how to run it."""
+
+    def _invoke(self, call: _Call) -> Any:
+        raise NotImplementedError
+
+    def heartbeat(self) -> Any:
+        return self._invoke(_Call("heartbeat", {}, None, _nothing))
+
+    def stats(self) -> Any:
+        return self._invoke(_Call("stats", {}, None, lambda h, a: h))
+
+    def alloc_row(self, rid: str) -> Any:
+        """Open request ``rid`` and give it a ``req_to_token`` row; returns the row."""
+        return self._invoke(_Call("alloc_row", {"rid": rid}, None, lambda h, a: h["row"]))
+
+    def free_row(self, rid: str) -> Any:
+        """Close ``rid`` without caching anything."""
+        return self._invoke(_Call("free_row", {"rid": rid}, None, _nothing))
+
+    def match_prefix(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> Any:
+        """Reuse and lock the longest cached prefix; returns its length."""
+        return self._invoke(
+            _Call(
+                "match_prefix",
+                {"rid": rid},
+                {"token_ids": _as_array(token_ids)},
+                lambda h, a: h["prefix_len"],
+            )
+        )
+
+    def alloc_extend(self, items: Sequence[tuple[str, int]]) -> Any:
+        """New positions for each ``(rid, num_tokens)``, all or nothing -> AllocResult."""
+        rids = [rid for rid, _ in items]
+        counts = _as_array([n for _, n in items])
+        return self._invoke(
+            _Call("alloc_extend", {"rids": rids}, {"num_tokens": counts}, _alloc_result)
+        )
+
+    def cache_unfinished(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> Any:
+        return self._invoke(
+            _Call(
+                "cache_unfinished",
+                {"rid": rid},
+                {"token_ids": _as_array(token_ids)},
+                lambda h, a: h["prefix_len"],
+            )
+        )
+
+    def release(
+        self,
+        rid: str,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        *,
+        is_insert: bool = True,
+    ) -> Any:
+        arrays = None if token_ids is None else {"token_ids": _as_array(token_ids)}
+        return self._invoke(
+            _Call("release", {"rid": rid, "is_insert": is_insert}, arrays, _nothing)
+        )
+
+    def decode_step(self, rows: Sequence[int] | np.ndarray) -> Any:
+        """Check decode memory and allocate one slot per row, in one round trip -> AllocResult."""
+        return self._invoke(_Call("decode_step", {}, {"rows": _as_array(rows)}, _alloc_result))
+
+    def retract(self, rows: Sequence[int] | np.ndarray, mode: str = "recompute") -> Any:
+        """Release from the end of ``rows`` (victim order) until the next step fits."""
+        return self._invoke(
+            _Call(
+                "retract",
+                {"mode": mode},
+                {"rows": _as_array(rows)},
+                lambda h, a: RetractReply(
+                    h["retracted"], h["offload_failed"], h["tokens_gained"], h["last_does_not_fit"]
+                ),
+            )
+        )
+
+    def offload(self, rid: str, num_tokens: int | None = None) -> Any:
+        """Copy ``rid``'s KV to the host store; returns bytes copied."""
+        return self._invoke(
+            _Call("offload", {"rid": rid, "num_tokens": num_tokens}, None, lambda h, a: h["bytes"])
+        )
+
+    def load(self, rid: str) -> Any:
+        """Load ``rid``'s offloaded KV into fresh slots of its (empty) row -> AllocResult."""
+        return self._invoke(_Call("load", {"rid": rid}, None, _alloc_result))
+
+    def host_discard(self, rid: str) -> Any:
+        return self._invoke(_Call("host_discard", {"rid": rid}, None, _nothing))
+
+
+class _Session:
+    """The state both clients keep: ids, epoch, layout, and reply checking."""
+
+    def __init__(
+        self,
+        address: str,
+        role: str,
+        name: str,
+        lease_s: float,
+        timeout_s: float,
+        retries: int,
+        curve: CurveClientKeys | None,
+    ) -> None:
+        self.address = address
+        self.role = role
+        self.name = name
+        self.lease_s = lease_s
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.curve = curve
+        self.session: str | None = None
+        self.epoch: str | None = None
+        self.layout: PoolLayout | None = None
+        self.handle: dict[str, Any] | None = None
+        self.hello_info: dict[str, Any] = {}
+        self.sizes: PoolSizes | None = None
+        self._op_ids = itertools.count(1)
+
+    def new_socket(self, ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve:
+            sock.curve_serverkey = self.curve.server_public_key
+            sock.curve_publickey = self.curve.public_key
+            sock.curve_secretkey = self.curve.secret_key
+        sock.connect(self.address)
+        return sock
+
+    def frames(self, call: _Call) -> tuple[int, list[bytes]]:
+        op_id = next(self._op_ids)
+        header = {"op": call.op, "op_id": op_id, "session": self.session, **call.fields}
+        return op_id, p.pack(header, call.arrays)
+
+    def hello_call(self) -> _Call:
+        return _Call(
+            "hello",
+            {"role": self.role, "lease_s": self.lease_s, "name": self.name},
+            None,
+            self._welcome,
+        )
+
+    def _welcome(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        self.session = header["session"]
+        self.epoch = header["epoch"]
+        self.layout = PoolLayout.from_dict(header["layout"])
+        self.handle = header["handle"]
+        self.hello_info = header
+
+    def finish(self, call: _Call, header: dict[str, Any]) -> Any:
+        arrays = {
+            name: header.pop(name) for name in list(header) if isinstance(header[name], np.ndarray)
+        }
+        epoch = header.get("epoch")
+        if call.op != "hello" and self.epoch is not None and epoch != self.epoch:
+            raise EpochChangedError(
+                f"memsvc at {self.address} restarted (epoch {self.epoch} -> {epoch}): its pool "
+                "is empty and this session is gone; reconnect and treat held KV as lost",
+                epoch,
+            )
+        self.sizes = PoolSizes(header["available"], header["evictable"], header["protected"])
+        if not header.get("ok"):
+            code, message = header.get("code", "internal"), header.get("message", "")
+            cls = _ERRORS_BY_CODE.get(code)
+            if cls is None:
+                raise RequestRejectedError(code, message)
+            raise cls(message)
+        return call.parse(header, arrays)
+
+    def dead(self, call: _Call) -> PeerDeadError:
+        return PeerDeadError(
+            f"memsvc at {self.address} did not answer {call.op!r} within "
+            f"{self.retries + 1} x {self.timeout_s:.1f}s"
+        )
+
+
+class MemClient(_Ops):
+    """Blocking client. ``with MemClient(addr) as mem: mem.alloc_row("r1")``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        role: str = "scheduler",
+        name: str = "",
+        lease_s: float = 10.0,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        heartbeat: bool = True,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        self._state = _Session(address, role, name, lease_s, timeout_s, retries, curve)
+        self._ctx = zmq.Context()
+        self._sock = self._state.new_socket(self._ctx)
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        try:
+            self._invoke(self._state.hello_call())
+        except BaseException:
+            self.close()
+            raise
+        if heartbeat:
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat_loop, name="memsvc-heartbeat", daemon=True
+            )
+            self._heartbeat_thread.start()
+
+    # state shared with the async client
+    session = property(lambda self: self._state.session)
+    epoch = property(lambda self: self._state.epoch)
+    layout = property(lambda self: self._state.layout)
+    handle = property(lambda self: self._state.handle)
+    sizes = property(lambda self: self._state.sizes)
+    hello_info = property(lambda self: self._state.hello_info)
+
+    def _invoke(self, call: _Call) -> Any:
+        return self._roundtrip(self._sock, call)
+
+    def _roundtrip(self, sock: zmq.Socket, call: _Call) -> Any:
+        state = self._state
+        op_id, frames = state.frames(call)
+        for _ in range(state.retries + 1):
+            sock.send_multipart(frames)
+            deadline = time.monotonic() + state.timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not sock.poll(left * 1000):
+                    break
+                header = p.unpack(sock.recv_multipart())
+                if header.get("op_id") == op_id:  # else: a late reply to an earlier try
+                    return state.finish(call, header)
+        raise state.dead(call)
+
+    def _heartbeat_loop(self) -> None:
+        sock = self._state.new_socket(self._ctx)  # sockets are not thread-safe
+        try:
+            while not self._stop.wait(self._state.lease_s / 3):
+                with contextlib.suppress(errors.MemsvcError):
+                    self._roundtrip(sock, _Call("heartbeat", {}, None, _nothing))
+        finally:
+            sock.close(0)
+
+    def reconnect(self) -> None:
+        """Say hello again (after an epoch change): a new session, the new pool's handle."""
+        self._state.epoch = None
+        self._invoke(self._state.hello_call())
+
+    def attach(self) -> AttachedBuffers:
+        """Zero-copy views (numpy and torch) of the KV buffers and ``req_to_token``."""
+        return attach_handle(self._state.handle)
+
+    def close(self, *, goodbye: bool = True) -> None:
+        """Stop heartbeats; with ``goodbye``, end the session so memsvc reclaims it at once."""
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join()
+            self._heartbeat_thread = None
+        if goodbye and self._state.session is not None and not self._sock.closed:
+            with contextlib.suppress(errors.MemsvcError):
+                self._state.retries, self._state.timeout_s = 0, min(self._state.timeout_s, 1.0)
+                self._invoke(_Call("goodbye", {}, None, _nothing))
+        self._state.session = None
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> MemClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncMemClient(_Ops):
+    """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        role: str = "scheduler",
+        name: str = "",
+        lease_s: float = 10.0,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        heartbeat: bool = True,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        self._state = _Session(address, role, name, lease_s, timeout_s, retries, curve)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._state.new_socket(self._ctx)
+        self._lock = asyncio.Lock()
+        self._want_heartbeat = heartbeat
+        self._heartbeat_task: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, address: str, **kwargs: Any) -> AsyncMemClient:
+        client = cls(address, **kwargs)
+        try:
+            await client._invoke(client._state.hello_call())
+        except BaseException:
+            await client.close(goodbye=False)
+            raise
+        if client._want_heartbeat:
+            client._heartbeat_task = asyncio.create_task(
+                client._heartbeat_loop(), name="memsvc-heartbeat"
+            )
+        return client
+
+    session = property(lambda self: self._state.session)
+    epoch = property(lambda self: self._state.epoch)
+    layout = property(lambda self: self._state.layout)
+    handle = property(lambda self: self._state.handle)
+    sizes = property(lambda self: self._state.sizes)
+    hello_info = property(lambda self: self._state.hello_info)
+
+    async def _invoke(self, call: _Call) -> Any:
+        state = self._state
+        async with self._lock:  # one request in flight: replies come back in order
+            op_id, frames = state.frames(call)
+            for _ in range(state.retries + 1):
+                await self._sock.send_multipart(frames)
+                deadline = time.monotonic() + state.timeout_s
+                while (left := deadline - time.monotonic()) > 0:
+                    if not await self._sock.poll(left * 1000):
+                        break
+                    header = p.unpack(await self._sock.recv_multipart())
+                    if header.get("op_id") == op_id:
+                        return state.finish(call, header)
+            raise state.dead(call)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._state.lease_s / 3)
+            with contextlib.suppress(errors.MemsvcError):
+                await self.heartbeat()
+
+    async def reconnect(self) -> None:
+        self._state.epoch = None
+        await self._invoke(self._state.hello_call())
+
+    def attach(self) -> AttachedBuffers:
+        return attach_handle(self._state.handle)
+
+    async def close(self, *, goodbye: bool = True) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
+        if goodbye and self._state.session is not None:
+            with contextlib.suppress(errors.MemsvcError):
+                self._state.retries, self._state.timeout_s = 0, min(self._state.timeout_s, 1.0)
+                await self._invoke(_Call("goodbye", {}, None, _nothing))
+        self._state.session = None
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncMemClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def attach(handle: dict[str, Any]) -> AttachedBuffers:
+    """Map a pool from the handle in a ``hello`` reply (zero-copy numpy / torch views)."""
+    return attach_handle(handle)

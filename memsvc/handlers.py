@@ -1,0 +1,313 @@
+"""The memsvc request handlers: one message in, one reply out, synchronously.
+
+:meth:`MemService.handle` is everything between the socket and the core:
+decode and validate once, find the session, answer a retried op from the
+reply cache, dispatch through a table to the core, and build the reply (with
+the pool sizes and the epoch on every one). It never awaits, so each op is
+atomic; the asyncio shell in :mod:`memsvc.server` only moves frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from memsvc import protocol as p
+from memsvc.core import KVPool
+from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
+from memsvc.metrics import Metrics
+from memsvc.sessions import Session, SessionTable
+
+log = logging.getLogger("memsvc")
+
+Reply = tuple[dict[str, Any], dict[str, np.ndarray] | None]
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    retract_decode_steps: int = 20  # SGLANG_RETRACT_DECODE_STEPS
+    max_message_bytes: int = 64 << 20
+
+
+class MemService:
+    def __init__(self, pool: KVPool, config: ServiceConfig, metrics: Metrics | None = None) -> None:
+        self.pool = pool
+        self.config = config
+        self.metrics = metrics or Metrics(None)
+        self.epoch = secrets.token_hex(8)
+        self.sessions = SessionTable()
+        self._row_session = np.zeros(pool.table.num_rows, dtype=np.int64)
+        self._handlers: dict[str, Callable[[Session, Any], Reply]] = {
+            "heartbeat": self._heartbeat,
+            "goodbye": self._goodbye,
+            "stats": self._stats,
+            "alloc_row": self._alloc_row,
+            "free_row": self._free_row,
+            "match_prefix": self._match_prefix,
+            "alloc_extend": self._alloc_extend,
+            "cache_unfinished": self._cache_unfinished,
+            "release": self._release,
+            "decode_step": self._decode_step,
+            "retract": self._retract,
+            "offload": self._offload,
+            "load": self._load,
+            "host_discard": self._host_discard,
+        }
+
+    # -- the edge --------------------------------------------------------------
+
+    def handle(self, frames: list[bytes], now: float | None = None) -> list[bytes]:
+        """Answer one request. Never raises: every failure is an error reply."""
+        now = time.monotonic() if now is None else now
+        started = time.perf_counter()
+        op = "invalid"
+        op_id = None
+        try:
+            size = sum(len(f) for f in frames)
+            if size > self.config.max_message_bytes:
+                raise p.ProtocolError(
+                    "too_large",
+                    f"message of {size} bytes exceeds the limit of {self.config.max_message_bytes}",
+                )
+            msg = p.parse_request(frames)
+            op, op_id = msg.op, msg.op_id
+            if op == "hello":
+                reply = self._pack_ok(op_id, *self._hello(msg, now))
+            else:
+                session = self.sessions.touch(msg.session, now)
+                mutating = op in p.MUTATING_OPS
+                cached = self.sessions.cached_reply(session, op_id) if mutating else None
+                if cached is not None:
+                    self.metrics.retried_op()
+                    return cached
+                reply = self._pack_ok(op_id, *self._handlers[op](session, msg))
+                if mutating:
+                    self.sessions.remember_reply(session, op_id, reply)
+            self.metrics.op_done(op, "ok", time.perf_counter() - started)
+            return reply
+        except p.ProtocolError as exc:
+            op_id = op_id if op_id is not None else _best_effort_op_id(frames)
+            return self._pack_error(op, op_id, exc.code, exc.message, started)
+        except MemsvcError as exc:
+            return self._pack_error(op, op_id, exc.code, str(exc), started)
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("internal error handling %s", op)
+            return self._pack_error(op, op_id, "internal", f"{type(exc).__name__}: {exc}", started)
+
+    def _sizes(self) -> dict[str, Any]:
+        pool = self.pool
+        return {
+            "epoch": self.epoch,
+            "available": pool.available_size(),
+            "evictable": pool.evictable_size(),
+            "protected": pool.protected_size(),
+        }
+
+    def _pack_ok(
+        self, op_id: int, fields: dict[str, Any], arrays: dict[str, np.ndarray] | None
+    ) -> list[bytes]:
+        return p.pack({"ok": True, "op_id": op_id, **self._sizes(), **fields}, arrays)
+
+    def _pack_error(
+        self, op: str, op_id: int | None, code: str, message: str, started: float
+    ) -> list[bytes]:
+        self.metrics.op_done(op, code, time.perf_counter() - started)
+        header = {"ok": False, "op_id": op_id, "code": code, "message": message}
+        return p.pack({**header, **self._sizes()})
+
+    # -- sessions --------------------------------------------------------------
+
+    def _hello(self, msg: p.Hello, now: float) -> Reply:
+        session = self.sessions.open(msg.role, msg.lease_s, msg.name, now)
+        log.info(
+            "session %s opened (%s %s, lease %.1fs)", session.sid, msg.role, msg.name, msg.lease_s
+        )
+        return {
+            "session": session.sid,
+            "layout": self.pool.layout.to_dict(),
+            "handle": self.pool.buffers.handle(),
+            "capacity": self.pool.capacity,
+            "host_store_bytes": self.pool.host_store.capacity_bytes,
+            "retract_decode_steps": self.config.retract_decode_steps,
+        }, None
+
+    def _heartbeat(self, session: Session, msg: p.Heartbeat) -> Reply:
+        return {}, None
+
+    def _goodbye(self, session: Session, msg: p.Goodbye) -> Reply:
+        return {"reclaimed": self.reclaim(session)}, None
+
+    def expire_sessions(self, now: float | None = None) -> list[str]:
+        """Reclaim every session whose lease ran out; returns their ids."""
+        now = time.monotonic() if now is None else now
+        expired = self.sessions.expired(now)
+        for session in expired:
+            reclaimed = self.reclaim(session)
+            log.warning(
+                "session %s (%s %s) expired: reclaimed %d requests",
+                session.sid,
+                session.role,
+                session.name,
+                len(reclaimed),
+            )
+            self.metrics.session_expired()
+        return [s.sid for s in expired]
+
+    def reclaim(self, session: Session) -> list[str]:
+        """Free everything the session holds: rows, pages, locks, host-store entries."""
+        rids = self.sessions.close(session)
+        for rid in rids:
+            if self.pool.is_open(rid):
+                self.pool.release(rid, is_insert=False)
+            if rid in self.pool.host_store:
+                self.pool.host_discard(rid)
+        self._sync_row_owners()
+        return rids
+
+    # -- ownership helpers -----------------------------------------------------
+
+    def _own(self, session: Session, rid: str) -> None:
+        self.sessions.check_owner(session, rid)
+        if rid not in session.rids:
+            raise UnknownRequestError(f"no request {rid!r} in this session")
+
+    def _own_rows(self, session: Session, rows: np.ndarray) -> None:
+        if rows.size and (
+            rows.min() < 1
+            or rows.max() >= self._row_session.size
+            or (self._row_session[rows] != session.num).any()
+        ):
+            raise InvalidArgumentError("a row in the batch is not an open request of this session")
+
+    def _sync_row_owners(self) -> None:
+        """Rows freed by the last op no longer belong to anyone."""
+        self._row_session[~self.pool.table.in_use_mask()] = 0
+
+    def _settle(self, rid: str) -> None:
+        """Drop ownership of a request that holds neither a row nor a host entry."""
+        if not self.pool.is_open(rid) and rid not in self.pool.host_store:
+            self.sessions.unclaim(rid)
+        self._sync_row_owners()
+
+    # -- request ops -----------------------------------------------------------
+
+    def _stats(self, session: Session, msg: p.Stats) -> Reply:
+        pool = self.pool
+        return {
+            "capacity": pool.capacity,
+            "held": pool.held_size(),
+            "open_requests": len(pool.open_rids()),
+            "free_rows": pool.table.available_size(),
+            "host_store_used_bytes": pool.host_store.used_bytes,
+            "host_store_free_bytes": pool.host_store.free_bytes,
+            "host_store_entries": len(pool.host_store),
+            "sessions": len(self.sessions),
+            "counters": self.metrics.counters(),
+        }, None
+
+    def _alloc_row(self, session: Session, msg: p.AllocRow) -> Reply:
+        self.sessions.check_owner(session, msg.rid)
+        row = self.pool.open_request(msg.rid)
+        self.sessions.claim(session, msg.rid)
+        self._row_session[row] = session.num
+        return {"row": row}, None
+
+    def _free_row(self, session: Session, msg: p.FreeRow) -> Reply:
+        self._own(session, msg.rid)
+        self.pool.release(msg.rid, is_insert=False)
+        self._settle(msg.rid)
+        return {}, None
+
+    def _match_prefix(self, session: Session, msg: p.MatchPrefix) -> Reply:
+        self._own(session, msg.rid)
+        prefix_len = self.pool.match_prefix(msg.rid, msg.token_ids)
+        return {"prefix_len": prefix_len}, None
+
+    def _alloc_extend(self, session: Session, msg: p.AllocExtend) -> Reply:
+        if len(msg.rids) != msg.num_tokens.size:
+            raise InvalidArgumentError(
+                f"{len(msg.rids)} rids but {msg.num_tokens.size} token counts"
+            )
+        for rid in msg.rids:
+            self._own(session, rid)
+        items = list(zip(msg.rids, msg.num_tokens.tolist(), strict=True))
+        slots = self.pool.alloc_extend(items)
+        if slots is None:
+            needed = self.pool.extend_tokens_required(items)
+            return {"fits": False, "missing": needed - self.pool.available_size()}, None
+        return {"fits": True}, {"slots": slots}
+
+    def _cache_unfinished(self, session: Session, msg: p.CacheUnfinished) -> Reply:
+        self._own(session, msg.rid)
+        return {"prefix_len": self.pool.cache_unfinished(msg.rid, msg.token_ids)}, None
+
+    def _release(self, session: Session, msg: p.Release) -> Reply:
+        self._own(session, msg.rid)
+        self.pool.release(msg.rid, msg.token_ids, is_insert=msg.is_insert)
+        self._settle(msg.rid)
+        return {}, None
+
+    def _decode_step(self, session: Session, msg: p.DecodeStep) -> Reply:
+        """Evict the shortfall, check, and allocate one slot per request, or say what's missing."""
+        self._own_rows(session, msg.rows)
+        slots = self.pool.alloc_decode_rows(msg.rows)
+        if slots is None:
+            needed = self.pool.decode_tokens_required_rows(msg.rows)
+            return {"fits": False, "missing": needed - self.pool.available_size()}, None
+        return {"fits": True}, {"slots": slots}
+
+    def _retract(self, session: Session, msg: p.Retract) -> Reply:
+        self._own_rows(session, msg.rows)
+        result = self.pool.retract(
+            msg.rows,
+            offload=msg.mode == "offload",
+            retract_decode_steps=self.config.retract_decode_steps,
+        )
+        for rid in (*result.retracted, *result.offload_failed):
+            self._settle(rid)
+        self.metrics.retracted(len(result.retracted) + len(result.offload_failed))
+        return {
+            "retracted": result.retracted,
+            "offload_failed": result.offload_failed,
+            "tokens_gained": result.tokens_gained,
+            "last_does_not_fit": result.last_does_not_fit,
+        }, None
+
+    def _offload(self, session: Session, msg: p.Offload) -> Reply:
+        self._own(session, msg.rid)
+        nbytes = self.pool.offload(msg.rid, msg.num_tokens)
+        self.metrics.offloaded(nbytes)
+        return {"bytes": nbytes}, None
+
+    def _load(self, session: Session, msg: p.Load) -> Reply:
+        self._own(session, msg.rid)
+        num_tokens = self.pool.host_store.num_tokens(msg.rid)
+        slots = self.pool.load(msg.rid)
+        if slots is None:
+            needed = self.pool.extend_tokens_required([(msg.rid, num_tokens)])
+            return {"fits": False, "missing": needed - self.pool.available_size()}, None
+        self.metrics.loaded(self.pool.host_store.bytes_needed(num_tokens))
+        return {"fits": True}, {"slots": slots}
+
+    def _host_discard(self, session: Session, msg: p.HostDiscard) -> Reply:
+        self._own(session, msg.rid)
+        self.pool.host_discard(msg.rid)
+        self._settle(msg.rid)
+        return {}, None
+
+
+def _best_effort_op_id(frames: list[bytes]) -> int | None:
+    """The op_id of a message that failed validation, if its header has a usable one."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+    except Exception:  # garbage: no op_id to echo
+        return None
+    op_id = header.get("op_id") if isinstance(header, dict) else None
+    return op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None

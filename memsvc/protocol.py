@@ -1,0 +1,236 @@
+"""memsvc wire protocol: msgpack headers, raw array frames, pydantic validation.
+
+A message is a ZMQ multipart message::
+
+    frame 0      msgpack map: {"op": ..., "op_id": ..., "session": ..., <fields>,
+                               "arrays": ["token_ids", ...]}
+    frame 1..n   one raw little-endian int64 array per name in "arrays", in order
+
+Requests are decoded once, at the socket edge, into one of the pydantic
+models below (a discriminated union on ``op``); anything malformed becomes a
+:class:`ProtocolError` with a stable code. Replies use the same framing: a
+header map with ``ok`` (and on error ``code`` / ``message``), the pool sizes and
+the service epoch, then the array frames it names.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+
+ARRAY_DTYPE = np.dtype("<i8")
+MAX_RID_LEN = 256
+MAX_BATCH = 65536  # requests in one batch op
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted; ``code`` goes into the error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# -- arrays ------------------------------------------------------------------------
+
+
+def _as_int_array(value: Any) -> np.ndarray:
+    if not isinstance(value, np.ndarray) or value.dtype != ARRAY_DTYPE or value.ndim != 1:
+        raise ValueError("must be a raw int64 array frame (listed in 'arrays'), not a list")
+    return value
+
+
+IntArray = Annotated[np.ndarray, BeforeValidator(_as_int_array)]
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LEN)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    op_id: int = Field(ge=0, lt=2**63)
+    session: str | None = Field(default=None, max_length=64)
+
+
+# -- requests ----------------------------------------------------------------------
+
+
+class Hello(_Message):
+    op: Literal["hello"]
+    role: Literal["scheduler", "worker", "peer"]
+    lease_s: float = Field(default=10.0, gt=0, le=3600)
+    name: str = Field(default="", max_length=128)
+
+
+class Heartbeat(_Message):
+    op: Literal["heartbeat"]
+
+
+class Goodbye(_Message):
+    """End a session now: everything it holds is reclaimed, as on lease expiry."""
+
+    op: Literal["goodbye"]
+
+
+class Stats(_Message):
+    op: Literal["stats"]
+
+
+class AllocRow(_Message):
+    op: Literal["alloc_row"]
+    rid: RequestId
+
+
+class FreeRow(_Message):
+    """Close a request without caching anything (its tree prefix stays, unlocked)."""
+
+    op: Literal["free_row"]
+    rid: RequestId
+
+
+class MatchPrefix(_Message):
+    op: Literal["match_prefix"]
+    rid: RequestId
+    token_ids: IntArray
+
+
+class AllocExtend(_Message):
+    op: Literal["alloc_extend"]
+    rids: list[RequestId] = Field(max_length=MAX_BATCH)
+    num_tokens: IntArray
+
+
+class CacheUnfinished(_Message):
+    op: Literal["cache_unfinished"]
+    rid: RequestId
+    token_ids: IntArray
+
+
+class Release(_Message):
+    op: Literal["release"]
+    rid: RequestId
+    is_insert: bool
+    token_ids: IntArray | None = None
+
+
+class DecodeStep(_Message):
+    op: Literal["decode_step"]
+    rows: IntArray
+
+
+class Retract(_Message):
+    op: Literal["retract"]
+    rows: IntArray  # most worth keeping first
+    mode: Literal["recompute", "offload"]
+
+
+class Offload(_Message):
+    op: Literal["offload"]
+    rid: RequestId
+    num_tokens: int | None = Field(default=None, ge=0)
+
+
+class Load(_Message):
+    op: Literal["load"]
+    rid: RequestId
+
+
+class HostDiscard(_Message):
+    op: Literal["host_discard"]
+    rid: RequestId
+
+
+Request = Annotated[
+    Hello
+    | Heartbeat
+    | Goodbye
+    | Stats
+    | AllocRow
+    | FreeRow
+    | MatchPrefix
+    | AllocExtend
+    | CacheUnfinished
+    | Release
+    | DecodeStep
+    | Retract
+    | Offload
+    | Load
+    | HostDiscard,
+    Field(discriminator="op"),
+]
+REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
+
+# Ops that change state: a retry with the same op_id gets the first reply back.
+MUTATING_OPS = frozenset(
+    {
+        "alloc_row",
+        "free_row",
+        "match_prefix",
+        "alloc_extend",
+        "cache_unfinished",
+        "release",
+        "decode_step",
+        "retract",
+        "offload",
+        "load",
+        "host_discard",
+        "goodbye",
+    }
+)
+
+
+# -- framing -----------------------------------------------------------------------
+
+
+def pack(header: dict[str, Any], arrays: dict[str, np.ndarray] | None = None) -> list[bytes]:
+    """Header map plus one raw frame per array (their names listed in the header)."""
+    frames: list[bytes] = []
+    if arrays:
+        header = {**header, "arrays": list(arrays)}
+        frames = [np.ascontiguousarray(a, dtype=ARRAY_DTYPE).tobytes() for a in arrays.values()]
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def unpack(frames: list[bytes]) -> dict[str, Any]:
+    """Inverse of :func:`pack`: the header with each named array put in place."""
+    if not frames:
+        raise ProtocolError("malformed", "empty message")
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("malformed", f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed", "header must be a msgpack map")
+    names = header.pop("arrays", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ProtocolError("malformed", "'arrays' must be a list of field names")
+    if len(names) != len(frames) - 1:
+        raise ProtocolError(
+            "malformed", f"'arrays' names {len(names)} frames, message has {len(frames) - 1}"
+        )
+    for name, frame in zip(names, frames[1:], strict=True):
+        if name in header:
+            raise ProtocolError("malformed", f"field {name!r} given twice")
+        if len(frame) % ARRAY_DTYPE.itemsize:
+            raise ProtocolError("malformed", f"array {name!r} is not a whole number of int64")
+        header[name] = np.frombuffer(frame, dtype=ARRAY_DTYPE)
+    return header
+
+
+def parse_request(frames: list[bytes]) -> Any:
+    """Decode and validate one request; raises :class:`ProtocolError`."""
+    header = unpack(frames)
+    try:
+        return REQUEST_ADAPTER.validate_python(header)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "message"
+        code = (
+            "unknown_op"
+            if first["type"] in ("union_tag_invalid", "union_tag_not_found")
+            else ("bad_request")
+        )
+        raise ProtocolError(code, f"{where}: {first['msg']}") from None
