@@ -152,6 +152,10 @@ class _Ops:
     def stats(self) -> Any:
         return self._invoke(_Call("stats", {}, None, lambda h, a: h))
 
+    def check(self, *, idle: bool = False) -> Any:
+        """The pool's integrity check; raises ``IntegrityError`` with what is wrong."""
+        return self._invoke(_Call("check", {"idle": idle}, None, _nothing))
+
     def alloc_row(self, rid: str) -> Any:
         """Open request ``rid`` and give it a ``req_to_token`` row; returns the row."""
         return self._invoke(_Call("alloc_row", {"rid": rid}, None, lambda h, a: h["row"]))

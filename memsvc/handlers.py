@@ -48,6 +48,7 @@ class MemService:
             "heartbeat": self._heartbeat,
             "goodbye": self._goodbye,
             "stats": self._stats,
+            "check": self._check,
             "alloc_row": self._alloc_row,
             "free_row": self._free_row,
             "match_prefix": self._match_prefix,
@@ -211,6 +212,10 @@ class MemService:
             "sessions": len(self.sessions),
             "counters": self.metrics.counters(),
         }, None
+
+    def _check(self, session: Session, msg: p.Check) -> Reply:
+        self.pool.check_integrity(idle=msg.idle)
+        return {}, None
 
     def _alloc_row(self, session: Session, msg: p.AllocRow) -> Reply:
         self.sessions.check_owner(session, msg.rid)

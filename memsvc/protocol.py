@@ -79,6 +79,13 @@ class Stats(_Message):
     op: Literal["stats"]
 
 
+class Check(_Message):
+    """Run the pool's integrity check (with ``idle``: also that nothing is held)."""
+
+    op: Literal["check"]
+    idle: bool = False
+
+
 class AllocRow(_Message):
     op: Literal["alloc_row"]
     rid: RequestId
@@ -148,6 +155,7 @@ Request = Annotated[
     | Heartbeat
     | Goodbye
     | Stats
+    | Check
     | AllocRow
     | FreeRow
     | MatchPrefix

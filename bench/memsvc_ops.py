@@ -1,0 +1,359 @@
+"""Round-trip latency of memsvc ops, against a bare pyzmq echo of the same message sizes.
+
+Starts ``python -m memsvc`` on an ``ipc://`` path in a temporary folder and
+times, with :class:`MemClient`, each call from before it is made until its
+result is back (``time.perf_counter``):
+
+- ``decode_step(rows)`` over batches of 1, 64 and 256 open requests,
+- ``alloc_extend`` of one request by 16 tokens,
+- ``stats``.
+
+Then a separate process runs a tight sync ROUTER loop that answers each
+request with a reply of the same frame sizes memsvc's ``decode_step`` reply
+has (captured once from the real service), and a raw DEALER times that echo.
+The echo is the floor: two processes, one ipc socket, the same bytes.
+
+Prints one JSON object on its last line, all figures in microseconds::
+
+    {"decode_step": {"1": {"p50_us": .., "p99_us": ..}, "64": .., "256": ..},
+     "alloc_extend_16": {..}, "stats": {..}, "echo": {"1": .., "64": .., "256": ..},
+     "frame_bytes": {"1": {"request": [..], "reply": [..]}, ..},
+     "ratio_decode_step_256": ..}
+
+``ratio_decode_step_256`` is decode_step(256) p50 / echo(256) p50 (target <= 1.5).
+Run with the repository on ``PYTHONPATH`` (or kvstack installed, as ``make`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from memsvc import protocol as p
+from memsvc.client import MemClient
+from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH_SIZES = (1, 64, 256)
+PROMPT_LEN = 16  # tokens each decode request holds when (re)opened
+EXTEND_LEN = 16
+CAPTURE_OP_ID = 1 << 40  # far above the client's own op ids, so never a cached retry
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    page_size: int
+    num_pages: int
+    max_running_requests: int
+    max_context_len: int
+
+    def cli(self) -> list[str]:
+        # One layer, one head, head dim 8: the KV pool itself stays tiny.
+        return [
+            "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+            "--page-size", str(self.page_size),
+            "--num-pages", str(self.num_pages),
+            "--max-running-requests", str(self.max_running_requests),
+            "--max-context-len", str(self.max_context_len),
+        ]  # fmt: skip
+
+    def steps_per_cycle(self, batch_size: int) -> int:
+        """Decode steps a freshly opened batch can take before it must be re-opened.
+
+        Bounded by the context length and by the pages the batch may hold.
+        """
+        pages_each = self.num_pages // batch_size
+        max_len = min(self.max_context_len, pages_each * self.page_size)
+        return max_len - PROMPT_LEN
+
+
+def percentiles(samples_s: list[float]) -> dict[str, float]:
+    us = np.asarray(samples_s) * 1e6
+    return {
+        "p50_us": round(float(np.percentile(us, 50)), 1),
+        "p99_us": round(float(np.percentile(us, 99)), 1),
+    }
+
+
+def time_calls(
+    call: Callable[[], object], iterations: int, warmup: int, between: Callable[[], None]
+) -> list[float]:
+    """Seconds per ``call()``; ``between()`` runs untimed before each call, warm-up included."""
+    samples = []
+    for i in range(warmup + iterations):
+        between()
+        start = time.perf_counter()
+        call()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
+# -- processes ---------------------------------------------------------------------
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def remove_segments(pid: int) -> list[str]:
+    """Unlink the shm segments a (killed) process of ours left; returns their names."""
+    left = [name for name in list_segments() if segment_owner_pid(name) == pid]
+    for name in left:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    return left
+
+
+@contextlib.contextmanager
+def running_memsvc(workdir: Path, pool: PoolArgs) -> Iterator[str]:
+    """A memsvc process serving on an ipc path in ``workdir``; yields its address."""
+    address = f"ipc://{workdir}/memsvc.sock"
+    ready = workdir / "memsvc.ready"
+    log_path = workdir / "memsvc.log"
+    args = [sys.executable, "-m", "memsvc", "--listen", address, "--ready-file", str(ready)]
+    args += [*pool.cli(), "--log-level", "WARNING"]
+    python_path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path)}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"memsvc did not start:\n{log_path.read_text()}")
+            time.sleep(0.02)
+        yield address
+    finally:
+        stop_process(proc)
+        left = remove_segments(proc.pid)
+        if left:
+            print(f"memsvc left shm segments, removed: {left}", file=sys.stderr)
+
+
+def serve_echo(address: str, replies: dict[int, list[bytes]], ready) -> None:
+    """The echo server: answer each request with the reply keyed by its last frame's size."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    ready.set()
+    while True:  # ends with SIGTERM
+        frames = sock.recv_multipart()
+        sock.send_multipart([frames[0], *replies[len(frames[-1])]])
+
+
+@contextlib.contextmanager
+def running_echo(workdir: Path, replies: dict[int, list[bytes]]) -> Iterator[str]:
+    address = f"ipc://{workdir}/echo.sock"
+    mp = multiprocessing.get_context("spawn")
+    ready = mp.Event()
+    proc = mp.Process(target=serve_echo, args=(address, replies, ready), name="echo", daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(30):
+            raise RuntimeError("the echo server did not start")
+        yield address
+    finally:
+        proc.terminate()
+        proc.join(STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+# -- memsvc ops --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """``batch_size`` open requests, re-opened (untimed) before they outgrow the pool."""
+
+    client: MemClient
+    batch_size: int
+    steps_per_cycle: int
+    rows: np.ndarray = field(init=False)
+    steps_left: int = 0
+
+    def __post_init__(self) -> None:
+        self.rows = np.zeros(self.batch_size, dtype=np.int64)
+
+    @property
+    def rids(self) -> list[str]:
+        return [f"decode{self.batch_size}-{i}" for i in range(self.batch_size)]
+
+    def open(self) -> None:
+        for i, rid in enumerate(self.rids):
+            self.rows[i] = self.client.alloc_row(rid)
+        result = self.client.alloc_extend([(rid, PROMPT_LEN) for rid in self.rids])
+        if not result.fits:
+            raise RuntimeError(f"cannot open a batch of {self.batch_size}: pool too small")
+        self.steps_left = self.steps_per_cycle
+
+    def close(self) -> None:
+        for rid in self.rids:
+            self.client.free_row(rid)
+        self.steps_left = 0
+
+    def make_room(self) -> None:
+        """Before a step: re-open the batch when it has no step left."""
+        if self.steps_left == 0:
+            self.close()
+            self.open()
+        self.steps_left -= 1
+
+    def step(self) -> None:
+        if not self.client.decode_step(self.rows).fits:
+            raise RuntimeError(f"decode_step({self.batch_size}) did not fit")
+
+
+def time_decode(client: MemClient, pool: PoolArgs, batch_size: int, iterations: int, warmup: int):
+    batch = DecodeBatch(client, batch_size, pool.steps_per_cycle(batch_size))
+    batch.open()
+    try:
+        return time_calls(batch.step, iterations, warmup, batch.make_room)
+    finally:
+        batch.close()
+
+
+def time_alloc_extend(client: MemClient, iterations: int, warmup: int) -> list[float]:
+    rid = "extend"
+    client.alloc_row(rid)
+
+    def reopen() -> None:
+        client.free_row(rid)
+        client.alloc_row(rid)
+
+    def extend() -> None:
+        if not client.alloc_extend([(rid, EXTEND_LEN)]).fits:
+            raise RuntimeError("alloc_extend did not fit")
+
+    try:
+        return time_calls(extend, iterations, warmup, reopen)
+    finally:
+        client.free_row(rid)
+
+
+def capture_decode_frames(
+    client: MemClient, address: str, batch_size: int
+) -> tuple[list[bytes], list[bytes]]:
+    """One real decode_step, sent raw: the request frames and memsvc's reply frames."""
+    rids = [f"capture-{i}" for i in range(batch_size)]
+    rows = np.array([client.alloc_row(rid) for rid in rids], dtype=np.int64)
+    client.alloc_extend([(rid, PROMPT_LEN) for rid in rids])
+    header = {"op": "decode_step", "op_id": CAPTURE_OP_ID + batch_size, "session": client.session}
+    request = p.pack(header, {"rows": rows})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(request)
+        if not sock.poll(10_000):
+            raise RuntimeError("memsvc did not answer the raw decode_step")
+        reply = sock.recv_multipart()
+    finally:
+        sock.close(0)
+        ctx.term()
+    if not p.unpack(reply).get("fits"):
+        raise RuntimeError(f"raw decode_step failed: {p.unpack(reply)}")
+    for rid in rids:
+        client.free_row(rid)
+    return request, reply
+
+
+def time_echo(address: str, request: list[bytes], iterations: int, warmup: int) -> list[float]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+
+    def roundtrip() -> None:
+        sock.send_multipart(request)
+        sock.recv_multipart()
+
+    try:
+        return time_calls(roundtrip, iterations, warmup, lambda: None)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+# -- main --------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    pool = PoolArgs(args.page_size, args.num_pages, args.max_running_requests, args.max_context_len)
+    n, warm = args.iterations, args.warmup
+    result: dict = {"decode_step": {}, "echo": {}, "frame_bytes": {}}
+    frames: dict[int, tuple[list[bytes], list[bytes]]] = {}
+    with tempfile.TemporaryDirectory(prefix="memsvc-bench-") as tmp:
+        workdir = Path(tmp)
+        with running_memsvc(workdir, pool) as address:
+            client = MemClient(address, name="bench", lease_s=600, heartbeat=False)
+            try:
+                for size in BATCH_SIZES:
+                    frames[size] = capture_decode_frames(client, address, size)
+                for size in BATCH_SIZES:
+                    samples = time_decode(client, pool, size, n, warm)
+                    result["decode_step"][str(size)] = percentiles(samples)
+                result["alloc_extend_16"] = percentiles(time_alloc_extend(client, n, warm))
+                result["stats"] = percentiles(time_calls(client.stats, n, warm, lambda: None))
+            finally:
+                client.close()
+        replies = {len(request[-1]): reply for request, reply in frames.values()}
+        with running_echo(workdir, replies) as address:
+            for size in BATCH_SIZES:
+                request, reply = frames[size]
+                samples = time_echo(address, request, n, warm)
+                result["echo"][str(size)] = percentiles(samples)
+                result["frame_bytes"][str(size)] = {
+                    "request": [len(f) for f in request],
+                    "reply": [len(f) for f in reply],
+                }
+    result["ratio_decode_step_256"] = round(
+        result["decode_step"]["256"]["p50_us"] / result["echo"]["256"]["p50_us"], 2
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=2000, help="timed calls per figure")
+    parser.add_argument("--warmup", type=int, default=200, help="untimed calls before each")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--num-pages", type=int, default=8192)
+    parser.add_argument("--max-running-requests", type=int, default=512)
+    parser.add_argument("--max-context-len", type=int, default=4096)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    result = run(args)
+    print(f"took {time.monotonic() - started:.1f}s", file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
