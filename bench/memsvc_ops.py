@@ -8,10 +8,12 @@ result is back (``time.perf_counter``):
 - ``alloc_extend`` of one request by 16 tokens,
 - ``stats``.
 
-Then a separate process runs a tight sync ROUTER loop that answers each
-request with a reply of the same frame sizes memsvc's ``decode_step`` reply
-has (captured once from the real service), and a raw DEALER times that echo.
-The echo is the floor: two processes, one ipc socket, the same bytes.
+A separate process runs a tight sync ROUTER loop that answers each request
+with a reply of the same frames memsvc's ``decode_step`` reply has (captured
+once from the real service), and a raw DEALER times that echo: the floor of
+two processes, one ipc socket, the same bytes. Both servers stay up, and
+decode_step and echo are timed in alternating rounds, so that drift in a
+noisy machine hits both sides of the ratio alike.
 
 Prints one JSON object on its last line, all figures in microseconds::
 
@@ -38,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +75,13 @@ class PoolArgs:
             "--max-context-len", str(self.max_context_len),
         ]  # fmt: skip
 
-    def steps_per_cycle(self, batch_size: int) -> int:
+    def steps_per_cycle(self, num_open: int) -> int:
         """Decode steps a freshly opened batch can take before it must be re-opened.
 
-        Bounded by the context length and by the pages the batch may hold.
+        Bounded by the context length and by a fair share of the pages among
+        the ``num_open`` requests open at once.
         """
-        pages_each = self.num_pages // batch_size
+        pages_each = self.num_pages // num_open
         max_len = min(self.max_context_len, pages_each * self.page_size)
         return max_len - PROMPT_LEN
 
@@ -91,18 +95,18 @@ def percentiles(samples_s: list[float]) -> dict[str, float]:
 
 
 def time_calls(
-    call: Callable[[], object], iterations: int, warmup: int, between: Callable[[], None]
-) -> list[float]:
-    """Seconds per ``call()``; ``between()`` runs untimed before each call, warm-up included."""
-    samples = []
-    for i in range(warmup + iterations):
-        between()
+    call: Callable[[], object],
+    count: int,
+    into: list[float],
+    between: Callable[[], None] | None = None,
+) -> None:
+    """Append the seconds of ``count`` calls to ``into``; ``between()`` runs untimed before each."""
+    for _ in range(count):
+        if between is not None:
+            between()
         start = time.perf_counter()
         call()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            samples.append(elapsed)
-    return samples
+        into.append(time.perf_counter() - start)
 
 
 # -- processes ---------------------------------------------------------------------
@@ -154,7 +158,7 @@ def running_memsvc(workdir: Path, pool: PoolArgs) -> Iterator[str]:
             print(f"memsvc left shm segments, removed: {left}", file=sys.stderr)
 
 
-def serve_echo(address: str, replies: dict[int, list[bytes]], ready) -> None:
+def serve_echo(address: str, replies: dict[int, list[bytes]], ready: Event) -> None:
     """The echo server: answer each request with the reply keyed by its last frame's size."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -230,16 +234,8 @@ class DecodeBatch:
             raise RuntimeError(f"decode_step({self.batch_size}) did not fit")
 
 
-def time_decode(client: MemClient, pool: PoolArgs, batch_size: int, iterations: int, warmup: int):
-    batch = DecodeBatch(client, batch_size, pool.steps_per_cycle(batch_size))
-    batch.open()
-    try:
-        return time_calls(batch.step, iterations, warmup, batch.make_room)
-    finally:
-        batch.close()
-
-
 def time_alloc_extend(client: MemClient, iterations: int, warmup: int) -> list[float]:
+    """One request extended by ``EXTEND_LEN`` tokens; closed and re-opened between calls."""
     rid = "extend"
     client.alloc_row(rid)
 
@@ -251,10 +247,13 @@ def time_alloc_extend(client: MemClient, iterations: int, warmup: int) -> list[f
         if not client.alloc_extend([(rid, EXTEND_LEN)]).fits:
             raise RuntimeError("alloc_extend did not fit")
 
+    samples: list[float] = []
     try:
-        return time_calls(extend, iterations, warmup, reopen)
+        time_calls(extend, warmup, [], reopen)
+        time_calls(extend, iterations, samples, reopen)
     finally:
         client.free_row(rid)
+    return samples
 
 
 def capture_decode_frames(
@@ -285,7 +284,9 @@ def capture_decode_frames(
     return request, reply
 
 
-def time_echo(address: str, request: list[bytes], iterations: int, warmup: int) -> list[float]:
+@contextlib.contextmanager
+def echo_roundtrip(address: str, request: list[bytes]) -> Iterator[Callable[[], None]]:
+    """A raw DEALER round trip of ``request`` to the echo server."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -296,7 +297,7 @@ def time_echo(address: str, request: list[bytes], iterations: int, warmup: int) 
         sock.recv_multipart()
 
     try:
-        return time_calls(roundtrip, iterations, warmup, lambda: None)
+        yield roundtrip
     finally:
         sock.close(0)
         ctx.term()
@@ -305,35 +306,69 @@ def time_echo(address: str, request: list[bytes], iterations: int, warmup: int) 
 # -- main --------------------------------------------------------------------------
 
 
+def time_decode_and_echo(
+    client: MemClient,
+    echo_address: str,
+    requests: dict[int, list[bytes]],
+    pool: PoolArgs,
+    args: argparse.Namespace,
+) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """decode_step and echo per batch size, in alternating rounds (after a warm-up of each)."""
+    steps = pool.steps_per_cycle(sum(BATCH_SIZES))
+    batches = {size: DecodeBatch(client, size, steps) for size in BATCH_SIZES}
+    decode: dict[int, list[float]] = {size: [] for size in BATCH_SIZES}
+    echo: dict[int, list[float]] = {size: [] for size in BATCH_SIZES}
+    per_round = -(-args.iterations // args.rounds)
+    with contextlib.ExitStack() as stack:
+        echoes = {
+            size: stack.enter_context(echo_roundtrip(echo_address, requests[size]))
+            for size in BATCH_SIZES
+        }
+        for batch in batches.values():
+            batch.open()
+        for size, batch in batches.items():
+            time_calls(batch.step, args.warmup, [], batch.make_room)
+            time_calls(echoes[size], args.warmup, [])
+        for _ in range(args.rounds):
+            for size, batch in batches.items():
+                time_calls(batch.step, per_round, decode[size], batch.make_room)
+                time_calls(echoes[size], per_round, echo[size])
+    # On an error the client's goodbye reclaims the batches instead.
+    for batch in batches.values():
+        batch.close()
+    return decode, echo
+
+
 def run(args: argparse.Namespace) -> dict:
     pool = PoolArgs(args.page_size, args.num_pages, args.max_running_requests, args.max_context_len)
-    n, warm = args.iterations, args.warmup
-    result: dict = {"decode_step": {}, "echo": {}, "frame_bytes": {}}
-    frames: dict[int, tuple[list[bytes], list[bytes]]] = {}
     with tempfile.TemporaryDirectory(prefix="memsvc-bench-") as tmp:
         workdir = Path(tmp)
         with running_memsvc(workdir, pool) as address:
             client = MemClient(address, name="bench", lease_s=600, heartbeat=False)
             try:
-                for size in BATCH_SIZES:
-                    frames[size] = capture_decode_frames(client, address, size)
-                for size in BATCH_SIZES:
-                    samples = time_decode(client, pool, size, n, warm)
-                    result["decode_step"][str(size)] = percentiles(samples)
-                result["alloc_extend_16"] = percentiles(time_alloc_extend(client, n, warm))
-                result["stats"] = percentiles(time_calls(client.stats, n, warm, lambda: None))
+                frames = {
+                    size: capture_decode_frames(client, address, size) for size in BATCH_SIZES
+                }
+                replies = {len(request[-1]): reply for request, reply in frames.values()}
+                requests = {size: request for size, (request, _) in frames.items()}
+                with running_echo(workdir, replies) as echo_address:
+                    decode, echo = time_decode_and_echo(client, echo_address, requests, pool, args)
+                extend = time_alloc_extend(client, args.iterations, args.warmup)
+                stats: list[float] = []
+                time_calls(client.stats, args.warmup, [])
+                time_calls(client.stats, args.iterations, stats)
             finally:
                 client.close()
-        replies = {len(request[-1]): reply for request, reply in frames.values()}
-        with running_echo(workdir, replies) as address:
-            for size in BATCH_SIZES:
-                request, reply = frames[size]
-                samples = time_echo(address, request, n, warm)
-                result["echo"][str(size)] = percentiles(samples)
-                result["frame_bytes"][str(size)] = {
-                    "request": [len(f) for f in request],
-                    "reply": [len(f) for f in reply],
-                }
+    result = {
+        "decode_step": {str(size): percentiles(decode[size]) for size in BATCH_SIZES},
+        "alloc_extend_16": percentiles(extend),
+        "stats": percentiles(stats),
+        "echo": {str(size): percentiles(echo[size]) for size in BATCH_SIZES},
+        "frame_bytes": {
+            str(size): {"request": [len(f) for f in request], "reply": [len(f) for f in reply]}
+            for size, (request, reply) in frames.items()
+        },
+    }
     result["ratio_decode_step_256"] = round(
         result["decode_step"]["256"]["p50_us"] / result["echo"]["256"]["p50_us"], 2
     )
@@ -344,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=2000, help="timed calls per figure")
     parser.add_argument("--warmup", type=int, default=200, help="untimed calls before each")
+    parser.add_argument("--rounds", type=int, default=10, help="decode/echo alternations")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=8192)
     parser.add_argument("--max-running-requests", type=int, default=512)

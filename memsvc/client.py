@@ -370,9 +370,12 @@ class MemClient(_Ops):
             sock.send_multipart(frames)
             deadline = time.monotonic() + state.timeout_s
             while (left := deadline - time.monotonic()) > 0:
-                if not sock.poll(left * 1000):
+                # A blocking recv with a timeout: one wait, not a poll and then a recv.
+                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
+                try:
+                    header = p.unpack(sock.recv_multipart())
+                except zmq.Again:
                     break
-                header = p.unpack(sock.recv_multipart())
                 if header.get("op_id") == op_id:  # else: a late reply to an earlier try
                     return state.finish(call, header)
         raise state.dead(call)

@@ -23,7 +23,7 @@ from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.metrics import Metrics
-from memsvc.sessions import Session, SessionTable
+from memsvc.sessions import NotOwnerError, Session, SessionTable
 
 log = logging.getLogger("memsvc")
 
@@ -180,12 +180,19 @@ class MemService:
             raise UnknownRequestError(f"no request {rid!r} in this session")
 
     def _own_rows(self, session: Session, rows: np.ndarray) -> None:
-        if rows.size and (
-            rows.min() < 1
-            or rows.max() >= self._row_session.size
-            or (self._row_session[rows] != session.num).any()
-        ):
-            raise InvalidArgumentError("a row in the batch is not an open request of this session")
+        """Every row is an open request of this session, none twice.
+
+        A decode batch is usually the same from one step to the next, so the
+        last batch that passed is remembered (its bytes and the pool's row
+        generation) and an identical one is not checked again.
+        """
+        key = (rows.tobytes(), self.pool.rows_generation)
+        if session.checked_rows == key:
+            return
+        self.pool.check_rows(rows)
+        if (self._row_session[rows] != session.num).any():
+            raise NotOwnerError("a row in the batch belongs to another session")
+        session.checked_rows = key
 
     def _sync_row_owners(self) -> None:
         """Rows freed by the last op no longer belong to anyone."""
@@ -262,7 +269,7 @@ class MemService:
     def _decode_step(self, session: Session, msg: p.DecodeStep) -> Reply:
         """Evict the shortfall, check, and allocate one slot per request, or say what's missing."""
         self._own_rows(session, msg.rows)
-        slots = self.pool.alloc_decode_rows(msg.rows)
+        slots = self.pool.alloc_decode_rows(msg.rows, rows_checked=True)
         if slots is None:
             needed = self.pool.decode_tokens_required_rows(msg.rows)
             return {"fits": False, "missing": needed - self.pool.available_size()}, None

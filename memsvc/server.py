@@ -1,8 +1,8 @@
-"""The asyncio shell of memsvc: a ZMQ ROUTER socket, the lease reaper, signals.
+"""The service shell of memsvc: a ZMQ ROUTER socket, the lease reaper, signals.
 
-It owns sockets, tasks and timers and nothing else: every request goes to
+It owns sockets, threads and timers and nothing else: every request goes to
 :meth:`MemService.handle`, which runs to completion before the next one is
-read. Every task it starts is kept and cancelled on the way out.
+read. Everything it starts is stopped and joined on the way out.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import logging
 import os
 import signal
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.handlers import MemService
@@ -68,6 +69,15 @@ def check_listen_address(address: str, *, allow_remote: bool) -> None:
 
 
 class MemServer:
+    """Serves one :class:`MemService` until SIGTERM / SIGINT or :meth:`request_stop`.
+
+    The socket loop runs in one dedicated thread, blocking in ``zmq_poll`` the
+    way a bare ZMQ server does (an event-loop reader costs this path extra
+    syscalls and wake-ups). That thread is the only one that touches the
+    service, the lease reaper included, so each op stays atomic. The asyncio
+    side owns what is asynchronous: signals, start-up, and shutdown.
+    """
+
     def __init__(
         self,
         service: MemService,
@@ -84,51 +94,53 @@ class MemServer:
         self.curve = curve
         self.ready_file = ready_file
         self.metrics_port = metrics_port
-        self._stop = asyncio.Event()
+        self._ctx = zmq.Context()
+        self._stop_address = f"inproc://memsvc-stop-{id(self)}"
 
     def request_stop(self) -> None:
-        self._stop.set()
+        """Ask the socket thread to finish (thread-safe)."""
+        with contextlib.suppress(zmq.ZMQError):
+            stopper = self._ctx.socket(zmq.PAIR)
+            stopper.setsockopt(zmq.LINGER, 0)
+            stopper.connect(self._stop_address)
+            stopper.send(b"stop")
+            stopper.close(0.5)
 
     async def run(self) -> None:
-        ctx = zmq.asyncio.Context()
-        auth = None
-        sock = ctx.socket(zmq.ROUTER)
-        tasks: list[asyncio.Task] = []
         loop = asyncio.get_running_loop()
+        started: asyncio.Future = loop.create_future()
+        finished: asyncio.Future = loop.create_future()
+
+        def report(future: asyncio.Future, error: BaseException | None) -> None:
+            if not future.done():
+                future.set_result(error)
+
+        thread = threading.Thread(
+            target=self._serve_thread,
+            args=(
+                lambda e: loop.call_soon_threadsafe(report, started, e),
+                lambda e: loop.call_soon_threadsafe(report, finished, e),
+            ),
+            name="memsvc-socket",
+        )
+        thread.start()
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(
-                zmq.MAXMSGSIZE, self.service.config.max_message_bytes * HARD_LIMIT_FACTOR
-            )
-            if self.curve:
-                auth = self._start_curve(ctx, sock)
-            sock.bind(self.listen)
+            error = await started
+            if error is not None:
+                raise error
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
-            tasks = [
-                asyncio.create_task(self._serve(sock), name="memsvc-serve"),
-                asyncio.create_task(self._reap(), name="memsvc-reaper"),
-            ]
+                loop.add_signal_handler(sig, self.request_stop)
             self._write_ready_file()
             print(f"memsvc listening on {self.listen} (epoch {self.service.epoch})", flush=True)
-            stop_wait = asyncio.create_task(self._stop.wait())
-            done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
-            for task in done:
-                if task is not stop_wait and task.exception():
-                    raise task.exception()
+            error = await finished
+            if error is not None:
+                raise error
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
-            sock.close(0)
-            if auth is not None:
-                auth.stop()
-            ctx.term()
+            self.request_stop()
+            await asyncio.to_thread(thread.join)
+            self._ctx.term()
             if self.listen.startswith("ipc://"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.listen[len("ipc://") :])
@@ -137,27 +149,73 @@ class MemServer:
                     os.unlink(self.ready_file)
             log.info("memsvc stopped")
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+    def _serve_thread(self, on_started, on_finished) -> None:
+        """Bind, then answer requests and expire leases until told to stop."""
+        auth = None
+        sock = self._ctx.socket(zmq.ROUTER)
+        stop = self._ctx.socket(zmq.PAIR)
+        error: BaseException | None = None
+        try:
+            stop.bind(self._stop_address)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(
+                zmq.MAXMSGSIZE, self.service.config.max_message_bytes * HARD_LIMIT_FACTOR
+            )
+            if self.curve:
+                auth = self._start_curve(sock)
+            sock.bind(self.listen)
+        except BaseException as exc:
+            error = exc
+        on_started(error)
+        try:
+            if error is None:
+                self._serve(sock, stop)
+        except BaseException as exc:  # a bug in the loop: stop the service, say why
+            log.exception("memsvc socket thread failed")
+            error = exc
+        finally:
+            sock.close(0)
+            stop.close(0)
+            if auth is not None:
+                auth.stop()
+            on_finished(error)
+
+    def _serve(self, sock: zmq.Socket, stop: zmq.Socket) -> None:
         handle = self.service.handle
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        interval_ms = self.reap_interval_s * 1000
+        next_reap = time.monotonic() + self.reap_interval_s
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) < 2:
-                continue  # no identity + payload: nothing to answer
-            await sock.send_multipart([frames[0], *handle(frames[1:])])
+            ready = dict(poller.poll(interval_ms))
+            if stop in ready:
+                return
+            if sock in ready:
+                while True:  # drain: answer everything that is waiting
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) < 2:
+                        continue  # no identity + payload: nothing to answer
+                    try:
+                        sock.send_multipart([frames[0], *handle(frames[1:])], zmq.NOBLOCK)
+                    except zmq.Again:
+                        log.warning("reply dropped: the client's queue is full")
+            now = time.monotonic()
+            if now >= next_reap:
+                self.service.expire_sessions(now)
+                next_reap = now + self.reap_interval_s
 
-    async def _reap(self) -> None:
-        while True:
-            await asyncio.sleep(self.reap_interval_s)
-            self.service.expire_sessions()
-
-    def _start_curve(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket):
+    def _start_curve(self, sock: zmq.Socket):
         import zmq.auth
-        from zmq.auth.asyncio import AsyncioAuthenticator
+        from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(self.curve.secret_key_file)
         if secret is None:
             raise InvalidArgumentError(f"{self.curve.secret_key_file} holds no secret key")
-        auth = AsyncioAuthenticator(ctx)
+        auth = ThreadAuthenticator(self._ctx)
         auth.start()
         auth.configure_curve(domain="*", location=self.curve.authorized_clients_dir)
         sock.curve_secretkey = secret

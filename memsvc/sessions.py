@@ -41,6 +41,7 @@ class Session:
     last_seen: float
     rids: set[str] = field(default_factory=set)
     replies: OrderedDict[int, list[bytes]] = field(default_factory=OrderedDict)
+    checked_rows: tuple[bytes, int] | None = None  # last row batch that passed, and when
 
     def expired(self, now: float) -> bool:
         return now - self.last_seen > self.lease_s

@@ -48,8 +48,9 @@ class PageAllocator:
             )
         self.num_pages = num_pages
         self.page_size = page_size
-        # The end of the list is the top of the stack: page 1 is handed out first.
-        self._free: list[int] = list(range(num_pages, 0, -1))
+        # A stack in a numpy array, top at _num_free: page 1 is handed out first.
+        self._free = np.arange(num_pages, 0, -1, dtype=SLOT_DTYPE)
+        self._num_free = num_pages
         self._owner = np.zeros(num_pages + 1, dtype=np.int32)
         self._owner[0] = OWNER_RESERVED  # the padding page is never handed out
 
@@ -62,11 +63,11 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def available_size(self) -> int:
         """Free token slots (whole free pages only)."""
-        return len(self._free) * self.page_size
+        return self._num_free * self.page_size
 
     # -- pages -----------------------------------------------------------------
 
@@ -77,13 +78,13 @@ class PageAllocator:
         """
         if num_pages < 0:
             raise InvalidArgumentError(f"cannot allocate {num_pages} pages")
-        if num_pages > len(self._free):
+        if num_pages > self._num_free:
             return None
         if num_pages == 0:
             return np.empty(0, dtype=SLOT_DTYPE)
-        taken = self._free[-num_pages:]
-        del self._free[-num_pages:]
-        pages = np.array(taken[::-1], dtype=SLOT_DTYPE)
+        top = self._num_free
+        pages = self._free[top - num_pages : top][::-1].copy()
+        self._num_free = top - num_pages
         self._owner[pages] = owner
         return pages
 
@@ -110,7 +111,9 @@ class PageAllocator:
                 f"pages {wrong[:8].tolist()} are held by {holder}, not by {_owner_name(owner)}"
             )
         self._owner[pages] = OWNER_FREE
-        self._free.extend(pages[::-1].tolist())
+        top = self._num_free
+        self._free[top : top + pages.size] = pages[::-1]
+        self._num_free = top + pages.size
 
     # -- slots -----------------------------------------------------------------
 
@@ -166,8 +169,8 @@ class PageAllocator:
         self._owner[pages] = owner
 
     def free_page_list(self) -> list[int]:
-        """A copy of the free list (for integrity checks)."""
-        return list(self._free)
+        """A copy of the free list, bottom of the stack first (for integrity checks)."""
+        return self._free[: self._num_free].tolist()
 
 
 def _owner_name(owner: int) -> str:

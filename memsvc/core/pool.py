@@ -109,6 +109,11 @@ class KVPool:
         self._reqs: dict[str, ReqKV] = {}
         self._rids_by_row: dict[int, str] = {}
         self._kv_lens = np.zeros(self.table.num_rows, dtype=np.int64)
+        # Bumped whenever a request opens or closes: a batch of rows checked at
+        # one generation is still valid while the generation is unchanged.
+        self.rows_generation = 0
+        self._row_scratch = np.zeros(self.table.num_rows, dtype=np.int64)
+        self._positions = np.arange(self.table.num_rows, dtype=np.int64)
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -148,6 +153,7 @@ class KVPool:
         self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens)
         self._kv_lens[row] = 0
         self._rids_by_row[row] = rid
+        self.rows_generation += 1
         return row
 
     def request(self, rid: str) -> ReqKV:
@@ -266,44 +272,61 @@ class KVPool:
     def decode_tokens_required_rows(self, rows: np.ndarray) -> int:
         return self.page_size * int((self._kv_lens[rows] % self.page_size == 0).sum())
 
-    def alloc_decode_rows(self, rows: np.ndarray, *, evict: bool = True) -> np.ndarray | None:
+    def alloc_decode_rows(
+        self, rows: np.ndarray, *, evict: bool = True, rows_checked: bool = False
+    ) -> np.ndarray | None:
         """:meth:`alloc_decode` by ``req_to_token`` row, vectorized over the batch.
 
         ::
 
             kv_len % page_size == 0  ->  a fresh page, slot page * page_size
             otherwise                ->  the slot after the previous position's
+
+        The hot path of a decode step: few numpy calls, no per-request Python.
+        ``rows_checked`` skips :meth:`check_rows` when the caller just ran it.
         """
-        rows = self._check_rows(rows)
+        if not rows_checked:
+            rows = self.check_rows(rows)
         kv_lens = self._kv_lens[rows]
-        if (kv_lens >= self.table.max_context_len).any():
+        if rows.size and kv_lens.max() >= self.table.max_context_len:
             raise InvalidArgumentError(
                 f"a request would exceed max_context_len {self.table.max_context_len}"
             )
         opens_page = kv_lens % self.page_size == 0
-        num_pages = int(opens_page.sum())
-        if evict:
+        num_pages = int(np.count_nonzero(opens_page))
+        if evict and num_pages * self.page_size > self.allocator.available_size():
             self.ensure_available(num_pages * self.page_size)
-        pages = self.allocator.alloc_pages(num_pages, owner=rows[opens_page])
-        if pages is None:
-            return None
-        slots = np.empty(rows.size, dtype=SLOT_DTYPE)
-        slots[opens_page] = pages * self.page_size
-        same_page = ~opens_page
-        slots[same_page] = self.table.array[rows[same_page], kv_lens[same_page] - 1] + 1
+        if num_pages == rows.size:  # page_size 1, or every request at a page boundary
+            pages = self.allocator.alloc_pages(num_pages, owner=rows)
+            if pages is None:
+                return None
+            slots = pages * self.page_size
+        else:
+            # kv_len 0 always opens a page, so index -1 below is overwritten
+            slots = self.table.array[rows, kv_lens - 1].astype(SLOT_DTYPE) + 1
+            if num_pages:
+                pages = self.allocator.alloc_pages(num_pages, owner=rows[opens_page])
+                if pages is None:
+                    return None
+                slots[opens_page] = pages * self.page_size
         self.table.write_cells(rows, kv_lens, slots)
-        self._kv_lens[rows] += 1
+        self._kv_lens[rows] = kv_lens + 1
         return slots
 
-    def _check_rows(self, rows: np.ndarray) -> np.ndarray:
+    def check_rows(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as int64, if each is an open request's row and none repeats."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.ndim != 1:
             raise InvalidArgumentError("rows must be one-dimensional")
-        if rows.size and (
-            rows.min() < 1 or rows.max() >= self.table.num_rows or not self.table.is_open(rows)
-        ):
+        if not rows.size:
+            return rows
+        # One compare catches both ends: negative rows wrap to huge unsigned values.
+        if (rows.view(np.uint64) >= self.table.num_rows).any() or not self.table.is_open(rows):
             raise UnknownRequestError("a row in the batch holds no open request")
-        if np.unique(rows).size != rows.size:
+        # Duplicates: scatter then gather positions; a repeated row keeps only one of them.
+        positions = self._positions[: rows.size]
+        self._row_scratch[rows] = positions
+        if (self._row_scratch[rows] != positions).any():
             raise InvalidArgumentError("a request appears twice in one batch")
         return rows
 
@@ -326,7 +349,7 @@ class KVPool:
         all the same and reported in ``offload_failed`` (the scheduler aborts
         it). Retracted requests are closed (their rows freed).
         """
-        order = self._check_rows(np.asarray(rows)).tolist()
+        order = self.check_rows(np.asarray(rows)).tolist()
         tokens_before = self.available_size() + self.evictable_size()
         retracted: list[str] = []
         offload_failed: list[str] = []
@@ -406,6 +429,7 @@ class KVPool:
         self.table.free(req.row)
         del self._reqs[rid]
         del self._rids_by_row[req.row]
+        self.rows_generation += 1
 
     def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         tokens = as_token_array(token_ids)

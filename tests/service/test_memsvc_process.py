@@ -87,7 +87,7 @@ def test_ops_from_this_process_and_zero_copy_from_a_worker(memsvc) -> None:
         mem.release("r1", [5, 6, 7, 8, 9, 10, 11], is_insert=True)
         with pytest.raises(UnknownRequestError):
             mem.free_row("r1")
-        with pytest.raises(InvalidArgumentError):
+        with pytest.raises(UnknownRequestError):
             mem.decode_step([row])
         mem.check(idle=True)
         stats = mem.stats()
