@@ -26,7 +26,7 @@ from memsvc.client import (
     PeerDeadError,
 )
 from memsvc.core.backends.shm import list_segments
-from memsvc.core.errors import InvalidArgumentError, UnknownRequestError
+from memsvc.core.errors import UnknownRequestError
 from memsvc.sessions import NotOwnerError
 from tests.service.conftest import REPO, start_memsvc
 
