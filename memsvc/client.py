@@ -321,7 +321,24 @@ class _Session:
         )
 
 
-class MemClient(_Ops):
+class _Client(_Ops):
+    """What both clients expose of their session (set by ``hello``)."""
+
+    _state: _Session
+
+    session = property(lambda self: self._state.session)
+    epoch = property(lambda self: self._state.epoch)
+    layout = property(lambda self: self._state.layout)
+    handle = property(lambda self: self._state.handle)
+    sizes = property(lambda self: self._state.sizes)
+    hello_info = property(lambda self: self._state.hello_info)
+
+    def attach(self) -> AttachedBuffers:
+        """Zero-copy views (numpy and torch) of the KV buffers and ``req_to_token``."""
+        return attach_handle(self._state.handle)
+
+
+class MemClient(_Client):
     """Blocking client. ``with MemClient(addr) as mem: mem.alloc_row("r1")``."""
 
     def __init__(
@@ -351,14 +368,6 @@ class MemClient(_Ops):
                 target=self._heartbeat_loop, name="memsvc-heartbeat", daemon=True
             )
             self._heartbeat_thread.start()
-
-    # state shared with the async client
-    session = property(lambda self: self._state.session)
-    epoch = property(lambda self: self._state.epoch)
-    layout = property(lambda self: self._state.layout)
-    handle = property(lambda self: self._state.handle)
-    sizes = property(lambda self: self._state.sizes)
-    hello_info = property(lambda self: self._state.hello_info)
 
     def _invoke(self, call: _Call) -> Any:
         return self._roundtrip(self._sock, call)
@@ -394,10 +403,6 @@ class MemClient(_Ops):
         self._state.epoch = None
         self._invoke(self._state.hello_call())
 
-    def attach(self) -> AttachedBuffers:
-        """Zero-copy views (numpy and torch) of the KV buffers and ``req_to_token``."""
-        return attach_handle(self._state.handle)
-
     def close(self, *, goodbye: bool = True) -> None:
         """Stop heartbeats; with ``goodbye``, end the session so memsvc reclaims it at once."""
         self._stop.set()
@@ -419,7 +424,7 @@ class MemClient(_Ops):
         self.close()
 
 
-class AsyncMemClient(_Ops):
+class AsyncMemClient(_Client):
     """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited."""
 
     def __init__(
@@ -455,13 +460,6 @@ class AsyncMemClient(_Ops):
             )
         return client
 
-    session = property(lambda self: self._state.session)
-    epoch = property(lambda self: self._state.epoch)
-    layout = property(lambda self: self._state.layout)
-    handle = property(lambda self: self._state.handle)
-    sizes = property(lambda self: self._state.sizes)
-    hello_info = property(lambda self: self._state.hello_info)
-
     async def _invoke(self, call: _Call) -> Any:
         state = self._state
         async with self._lock:  # one request in flight: replies come back in order
@@ -486,9 +484,6 @@ class AsyncMemClient(_Ops):
     async def reconnect(self) -> None:
         self._state.epoch = None
         await self._invoke(self._state.hello_call())
-
-    def attach(self) -> AttachedBuffers:
-        return attach_handle(self._state.handle)
 
     async def close(self, *, goodbye: bool = True) -> None:
         if self._heartbeat_task is not None:

@@ -15,7 +15,7 @@ the service epoch, then the array frames it names.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import msgpack
 import numpy as np
@@ -170,6 +170,9 @@ Request = Annotated[
     Field(discriminator="op"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
+OP_NAMES: tuple[str, ...] = tuple(
+    get_args(model.model_fields["op"].annotation)[0] for model in get_args(get_args(Request)[0])
+)
 
 # Ops that change state: a retry with the same op_id gets the first reply back.
 MUTATING_OPS = frozenset(

@@ -16,25 +16,7 @@ from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
 from tests.helpers import small_layout
 
-OPS = [
-    "hello",
-    "heartbeat",
-    "goodbye",
-    "stats",
-    "check",
-    "alloc_row",
-    "free_row",
-    "match_prefix",
-    "alloc_extend",
-    "cache_unfinished",
-    "release",
-    "decode_step",
-    "retract",
-    "offload",
-    "load",
-    "host_discard",
-    "nope",
-]
+OPS = [*p.OP_NAMES, "nope"]
 FIELDS = [
     "op",
     "op_id",
