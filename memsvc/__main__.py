@@ -13,7 +13,13 @@ from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.metrics import Metrics
-from memsvc.server import CurveServerKeys, MemServer, check_listen_address, default_listen_address
+from memsvc.server import (
+    HARD_LIMIT_FACTOR,
+    CurveServerKeys,
+    ServiceShell,
+    check_listen_address,
+    default_listen_address,
+)
 
 log = logging.getLogger("memsvc")
 
@@ -199,13 +205,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.curve_secret_key
             else None
         )
-        server = MemServer(
-            service,
+        server = ServiceShell(
+            "memsvc",
+            service.handle,
             listen,
-            reap_interval_s=args.reap_interval,
+            tick=service.expire_sessions,
+            tick_interval_s=args.reap_interval,
+            max_frame_bytes=args.max_message_bytes * HARD_LIMIT_FACTOR,
             curve=curve,
             ready_file=args.ready_file,
-            metrics_port=metrics_port,
+            ready_info={"epoch": service.epoch, "metrics_port": metrics_port},
         )
         asyncio.run(server.run())
     finally:

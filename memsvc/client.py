@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from memsvc import protocol as p
+from memsvc import rpc
 from memsvc.core import errors
 from memsvc.core.backends import AttachedBuffers
 from memsvc.core.backends import attach as attach_handle
@@ -265,14 +265,7 @@ class _Session:
         self._op_ids = itertools.count(1)
 
     def new_socket(self, ctx: zmq.Context) -> zmq.Socket:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.curve:
-            sock.curve_serverkey = self.curve.server_public_key
-            sock.curve_publickey = self.curve.public_key
-            sock.curve_secretkey = self.curve.secret_key
-        sock.connect(self.address)
-        return sock
+        return rpc.dealer(ctx, self.address, self.curve)
 
     def frames(self, call: _Call) -> tuple[int, list[bytes]]:
         op_id = next(self._op_ids)
@@ -375,19 +368,11 @@ class MemClient(_Client):
     def _roundtrip(self, sock: zmq.Socket, call: _Call) -> Any:
         state = self._state
         op_id, frames = state.frames(call)
-        for _ in range(state.retries + 1):
-            sock.send_multipart(frames)
-            deadline = time.monotonic() + state.timeout_s
-            while (left := deadline - time.monotonic()) > 0:
-                # A blocking recv with a timeout: one wait, not a poll and then a recv.
-                sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
-                try:
-                    header = p.unpack(sock.recv_multipart())
-                except zmq.Again:
-                    break
-                if header.get("op_id") == op_id:  # else: a late reply to an earlier try
-                    return state.finish(call, header)
-        raise state.dead(call)
+        try:
+            header = rpc.request(sock, frames, op_id, state.timeout_s, state.retries)
+        except rpc.NoReplyError:
+            raise state.dead(call) from None
+        return state.finish(call, header)
 
     def _heartbeat_loop(self) -> None:
         sock = self._state.new_socket(self._ctx)  # sockets are not thread-safe
@@ -464,16 +449,13 @@ class AsyncMemClient(_Client):
         state = self._state
         async with self._lock:  # one request in flight: replies come back in order
             op_id, frames = state.frames(call)
-            for _ in range(state.retries + 1):
-                await self._sock.send_multipart(frames)
-                deadline = time.monotonic() + state.timeout_s
-                while (left := deadline - time.monotonic()) > 0:
-                    if not await self._sock.poll(left * 1000):
-                        break
-                    header = p.unpack(await self._sock.recv_multipart())
-                    if header.get("op_id") == op_id:
-                        return state.finish(call, header)
-            raise state.dead(call)
+            try:
+                header = await rpc.request_async(
+                    self._sock, frames, op_id, state.timeout_s, state.retries
+                )
+            except rpc.NoReplyError:
+                raise state.dead(call) from None
+            return state.finish(call, header)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -1,4 +1,4 @@
-"""The service shell of memsvc: a ZMQ ROUTER socket, the lease reaper, signals.
+"""The service shell of memsvc (and model_svc): a ZMQ ROUTER socket, a timer, signals.
 
 It owns sockets, threads and timers and nothing else: every request goes to
 :meth:`MemService.handle`, which runs to completion before the next one is
@@ -17,13 +17,13 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from memsvc.core.errors import InvalidArgumentError
-from memsvc.handlers import MemService
 
 log = logging.getLogger("memsvc")
 
@@ -40,12 +40,12 @@ class CurveServerKeys:
     authorized_clients_dir: str
 
 
-def default_listen_address() -> str:
+def default_listen_address(name: str = "memsvc") -> str:
     """An ``ipc://`` path in a private (0700) runtime folder."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     folder = Path(base) / f"kvstack-{os.getuid()}"
     folder.mkdir(mode=0o700, exist_ok=True)
-    return f"ipc://{folder}/memsvc-{os.getpid()}.sock"
+    return f"ipc://{folder}/{name}-{os.getpid()}.sock"
 
 
 def check_listen_address(address: str, *, allow_remote: bool) -> None:
@@ -68,34 +68,42 @@ def check_listen_address(address: str, *, allow_remote: bool) -> None:
         )
 
 
-class MemServer:
-    """Serves one :class:`MemService` until SIGTERM / SIGINT or :meth:`request_stop`.
+class ServiceShell:
+    """Serves a request handler on a ROUTER socket until SIGTERM / SIGINT or :meth:`request_stop`.
 
-    The socket loop runs in one dedicated thread, blocking in ``zmq_poll`` the
-    way a bare ZMQ server does (an event-loop reader costs this path extra
-    syscalls and wake-ups). That thread is the only one that touches the
-    service, the lease reaper included, so each op stays atomic. The asyncio
-    side owns what is asynchronous: signals, start-up, and shutdown.
+    ``handle(frames) -> frames`` answers one request; ``tick(now)`` runs every
+    ``tick_interval_s`` (memsvc's lease reaper). The socket loop runs in one
+    dedicated thread, blocking in ``zmq_poll`` the way a bare ZMQ server does
+    (an event-loop reader costs this path extra syscalls and wake-ups). That
+    thread is the only one that calls ``handle`` and ``tick``, so each op stays
+    atomic. The asyncio side owns what is asynchronous: signals, start-up and
+    shutdown.
     """
 
     def __init__(
         self,
-        service: MemService,
+        name: str,
+        handle: Callable[[list[bytes]], list[bytes]],
         listen: str,
         *,
-        reap_interval_s: float = 0.25,
+        tick: Callable[[float], object] | None = None,
+        tick_interval_s: float = 0.25,
+        max_frame_bytes: int = 256 << 20,
         curve: CurveServerKeys | None = None,
         ready_file: str | None = None,
-        metrics_port: int | None = None,
+        ready_info: dict | None = None,
     ) -> None:
-        self.service = service
+        self.name = name
+        self.handle = handle
         self.listen = listen
-        self.reap_interval_s = reap_interval_s
+        self.tick = tick
+        self.tick_interval_s = tick_interval_s
+        self.max_frame_bytes = max_frame_bytes
         self.curve = curve
         self.ready_file = ready_file
-        self.metrics_port = metrics_port
+        self.ready_info = ready_info or {}
         self._ctx = zmq.Context()
-        self._stop_address = f"inproc://memsvc-stop-{id(self)}"
+        self._stop_address = f"inproc://{name}-stop-{id(self)}"
 
     def request_stop(self) -> None:
         """Ask the socket thread to finish (thread-safe)."""
@@ -121,7 +129,7 @@ class MemServer:
                 lambda e: loop.call_soon_threadsafe(report, started, e),
                 lambda e: loop.call_soon_threadsafe(report, finished, e),
             ),
-            name="memsvc-socket",
+            name=f"{self.name}-socket",
         )
         thread.start()
         try:
@@ -131,7 +139,8 @@ class MemServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
             self._write_ready_file()
-            print(f"memsvc listening on {self.listen} (epoch {self.service.epoch})", flush=True)
+            epoch = self.ready_info.get("epoch")
+            print(f"{self.name} listening on {self.listen} (epoch {epoch})", flush=True)
             error = await finished
             if error is not None:
                 raise error
@@ -147,7 +156,7 @@ class MemServer:
             if self.ready_file:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.ready_file)
-            log.info("memsvc stopped")
+            log.info("%s stopped", self.name)
 
     def _serve_thread(self, on_started, on_finished) -> None:
         """Bind, then answer requests and expire leases until told to stop."""
@@ -158,9 +167,7 @@ class MemServer:
         try:
             stop.bind(self._stop_address)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(
-                zmq.MAXMSGSIZE, self.service.config.max_message_bytes * HARD_LIMIT_FACTOR
-            )
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
             if self.curve:
                 auth = self._start_curve(sock)
             sock.bind(self.listen)
@@ -171,7 +178,7 @@ class MemServer:
             if error is None:
                 self._serve(sock, stop)
         except BaseException as exc:  # a bug in the loop: stop the service, say why
-            log.exception("memsvc socket thread failed")
+            log.exception("%s socket thread failed", self.name)
             error = exc
         finally:
             sock.close(0)
@@ -181,12 +188,12 @@ class MemServer:
             on_finished(error)
 
     def _serve(self, sock: zmq.Socket, stop: zmq.Socket) -> None:
-        handle = self.service.handle
+        handle, tick = self.handle, self.tick
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(stop, zmq.POLLIN)
-        interval_ms = self.reap_interval_s * 1000
-        next_reap = time.monotonic() + self.reap_interval_s
+        interval_ms = self.tick_interval_s * 1000
+        next_tick = time.monotonic() + self.tick_interval_s
         while True:
             ready = dict(poller.poll(interval_ms))
             if stop in ready:
@@ -204,9 +211,9 @@ class MemServer:
                     except zmq.Again:
                         log.warning("reply dropped: the client's queue is full")
             now = time.monotonic()
-            if now >= next_reap:
-                self.service.expire_sessions(now)
-                next_reap = now + self.reap_interval_s
+            if tick is not None and now >= next_tick:
+                tick(now)
+                next_tick = now + self.tick_interval_s
 
     def _start_curve(self, sock: zmq.Socket):
         import zmq.auth
@@ -226,12 +233,7 @@ class MemServer:
     def _write_ready_file(self) -> None:
         if not self.ready_file:
             return
-        info = {
-            "address": self.listen,
-            "epoch": self.service.epoch,
-            "pid": os.getpid(),
-            "metrics_port": self.metrics_port,
-        }
+        info = {"address": self.listen, "pid": os.getpid(), **self.ready_info}
         tmp = f"{self.ready_file}.tmp"
         with open(tmp, "w") as f:
             json.dump(info, f)

@@ -1,0 +1,70 @@
+"""Request / reply over a DEALER socket, with a timeout and retries, sync and asyncio.
+
+Shared by every kvstack client (memsvc's, model_svc's). A request is sent,
+its reply matched by ``op_id`` (a late reply to an earlier try is skipped),
+and after ``retries + 1`` silent timeouts :class:`NoReplyError` says so: a
+dead or stalled peer is an error, never a hang. Retrying is safe because
+every server answers a repeated ``op_id`` without acting twice (memsvc from
+its reply cache, model_svc because forward passes are idempotent).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from memsvc import protocol as p
+
+
+class NoReplyError(TimeoutError):
+    """The peer did not answer within the timeout, through every retry."""
+
+
+def dealer(ctx: zmq.Context, address: str, curve: Any | None = None) -> zmq.Socket:
+    """A connected DEALER socket; ``curve`` has server_public_key / public_key / secret_key."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        sock.curve_serverkey = curve.server_public_key
+        sock.curve_publickey = curve.public_key
+        sock.curve_secretkey = curve.secret_key
+    sock.connect(address)
+    return sock
+
+
+def request(
+    sock: zmq.Socket, frames: list[bytes], op_id: int, timeout_s: float, retries: int
+) -> dict[str, Any]:
+    """Send ``frames`` and return the decoded reply to ``op_id``."""
+    for _ in range(retries + 1):
+        sock.send_multipart(frames)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            # A blocking recv with a timeout: one wait, not a poll and then a recv.
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
+            try:
+                header = p.unpack(sock.recv_multipart())
+            except zmq.Again:
+                break
+            if header.get("op_id") == op_id:
+                return header
+    raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")
+
+
+async def request_async(
+    sock: zmq.asyncio.Socket, frames: list[bytes], op_id: int, timeout_s: float, retries: int
+) -> dict[str, Any]:
+    """:func:`request` for asyncio sockets (one request in flight per socket)."""
+    for _ in range(retries + 1):
+        await sock.send_multipart(frames)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not await sock.poll(left * 1000):
+                break
+            header = p.unpack(await sock.recv_multipart())
+            if header.get("op_id") == op_id:
+                return header
+    raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")
