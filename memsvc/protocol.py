@@ -48,7 +48,7 @@ IntArray = Annotated[np.ndarray, BeforeValidator(_as_int_array)]
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LEN)]
 
 
-class _Message(BaseModel):
+class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     op_id: int = Field(ge=0, lt=2**63)
@@ -58,94 +58,94 @@ class _Message(BaseModel):
 # -- requests ----------------------------------------------------------------------
 
 
-class Hello(_Message):
+class Hello(Message):
     op: Literal["hello"]
     role: Literal["scheduler", "worker", "peer"]
     lease_s: float = Field(default=10.0, gt=0, le=3600)
     name: str = Field(default="", max_length=128)
 
 
-class Heartbeat(_Message):
+class Heartbeat(Message):
     op: Literal["heartbeat"]
 
 
-class Goodbye(_Message):
+class Goodbye(Message):
     """End a session now: everything it holds is reclaimed, as on lease expiry."""
 
     op: Literal["goodbye"]
 
 
-class Stats(_Message):
+class Stats(Message):
     op: Literal["stats"]
 
 
-class Check(_Message):
+class Check(Message):
     """Run the pool's integrity check (with ``idle``: also that nothing is held)."""
 
     op: Literal["check"]
     idle: bool = False
 
 
-class AllocRow(_Message):
+class AllocRow(Message):
     op: Literal["alloc_row"]
     rid: RequestId
 
 
-class FreeRow(_Message):
+class FreeRow(Message):
     """Close a request without caching anything (its tree prefix stays, unlocked)."""
 
     op: Literal["free_row"]
     rid: RequestId
 
 
-class MatchPrefix(_Message):
+class MatchPrefix(Message):
     op: Literal["match_prefix"]
     rid: RequestId
     token_ids: IntArray
 
 
-class AllocExtend(_Message):
+class AllocExtend(Message):
     op: Literal["alloc_extend"]
     rids: list[RequestId] = Field(max_length=MAX_BATCH)
     num_tokens: IntArray
 
 
-class CacheUnfinished(_Message):
+class CacheUnfinished(Message):
     op: Literal["cache_unfinished"]
     rid: RequestId
     token_ids: IntArray
 
 
-class Release(_Message):
+class Release(Message):
     op: Literal["release"]
     rid: RequestId
     is_insert: bool
     token_ids: IntArray | None = None
 
 
-class DecodeStep(_Message):
+class DecodeStep(Message):
     op: Literal["decode_step"]
     rows: IntArray
 
 
-class Retract(_Message):
+class Retract(Message):
     op: Literal["retract"]
     rows: IntArray  # most worth keeping first
     mode: Literal["recompute", "offload"]
 
 
-class Offload(_Message):
+class Offload(Message):
     op: Literal["offload"]
     rid: RequestId
     num_tokens: int | None = Field(default=None, ge=0)
 
 
-class Load(_Message):
+class Load(Message):
     op: Literal["load"]
     rid: RequestId
 
 
-class HostDiscard(_Message):
+class HostDiscard(Message):
     op: Literal["host_discard"]
     rid: RequestId
 
@@ -231,17 +231,17 @@ def unpack(frames: list[bytes]) -> dict[str, Any]:
     return header
 
 
-def parse_request(frames: list[bytes]) -> Any:
-    """Decode and validate one request; raises :class:`ProtocolError`."""
+def parse_request(frames: list[bytes], adapter: TypeAdapter[Any] = REQUEST_ADAPTER) -> Any:
+    """Decode and validate one request against ``adapter`` (memsvc's ops by default).
+
+    Raises :class:`ProtocolError`.
+    """
     header = unpack(frames)
     try:
-        return REQUEST_ADAPTER.validate_python(header)
+        return adapter.validate_python(header)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "message"
-        code = (
-            "unknown_op"
-            if first["type"] in ("union_tag_invalid", "union_tag_not_found")
-            else ("bad_request")
-        )
+        where = ".".join(str(part) for part in first["loc"]) or "message"
+        tag_error = first["type"] in ("union_tag_invalid", "union_tag_not_found")
+        code = "unknown_op" if tag_error else "bad_request"
         raise ProtocolError(code, f"{where}: {first['msg']}") from None

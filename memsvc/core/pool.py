@@ -426,6 +426,8 @@ class KVPool:
         )
         if is_insert:
             self._hand_to_tree(req, kv_slots[req.protected_len :])
+        # Zeroed, so a worker handed a stale row sees slot 0 (the padding page) and refuses.
+        self.table.write(req.row, 0, np.zeros(req.kv_len, dtype=SLOT_DTYPE))
         self.table.free(req.row)
         del self._reqs[rid]
         del self._rids_by_row[req.row]
