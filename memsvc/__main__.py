@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--head-dim", type=int, default=64, help="dimension of one head")
     pool.add_argument(
         "--dtype",
-        choices=["float16", "bfloat16", "float32"],
+        choices=["float16", "bfloat16", "float32", "float64"],
         default="float32",
         help="KV element type",
     )

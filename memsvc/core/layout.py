@@ -31,6 +31,7 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "float16": (np.dtype(np.float16), 2),
     "bfloat16": (np.dtype(np.uint16), 2),
     "float32": (np.dtype(np.float32), 4),
+    "float64": (np.dtype(np.float64), 8),  # for exactness checks against a reference
 }
 
 

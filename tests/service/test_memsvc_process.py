@@ -28,7 +28,7 @@ from memsvc.client import (
 from memsvc.core.backends.shm import list_segments
 from memsvc.core.errors import UnknownRequestError
 from memsvc.sessions import NotOwnerError
-from tests.service.conftest import REPO, start_memsvc
+from tests.procs import REPO, start_memsvc
 
 
 def free_port() -> int:

@@ -1,0 +1,125 @@
+"""``python -m model_svc``: the kvstack model worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from memsvc.client import MemClient
+from memsvc.core.errors import MemsvcError
+from memsvc.server import ServiceShell, check_listen_address, default_listen_address
+from model_svc.errors import ModelSvcError
+
+log = logging.getLogger("model_svc")
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="model_svc",
+        description="kvstack model worker: runs extend (prefill) and decode forward passes of a "
+        "Llama-architecture model over the KV pool that memsvc shares, and returns sampled "
+        "tokens.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--memsvc", required=True, help="memsvc address (ipc://... or tcp://...)")
+    parser.add_argument(
+        "--listen",
+        default=None,
+        help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc:// socket in a "
+        "private runtime folder, printed at start)",
+    )
+    parser.add_argument(
+        "--allow-remote", action="store_true", help="allow a non-loopback --listen address"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="HF-layout Llama checkpoint folder (config.json + *.safetensors); "
+        "default: the bundled tiny model, created on first use",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="compute dtype; must match memsvc's --dtype",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model runs (cuda needs memsvc --backend cuda)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {address, epoch, pid, pool_epoch} as JSON here once serving",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    import torch
+
+    from model_svc.handlers import AttachedPool, ModelService
+    from model_svc.model import LlamaModel
+    from model_svc.tiny import default_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    mem = None
+    try:
+        listen = args.listen or default_listen_address("model_svc")
+        check_listen_address(listen, allow_remote=args.allow_remote)
+        checkpoint = args.checkpoint or default_checkpoint()
+        model = LlamaModel.from_checkpoint(
+            checkpoint, dtype=getattr(torch, args.dtype), device=args.device
+        )
+        mem = MemClient(args.memsvc, role="worker", name="model_svc")
+
+        def attach_pool() -> AttachedPool:
+            """The current pool: say hello again when memsvc has restarted."""
+            try:
+                mem.heartbeat()
+            except MemsvcError:
+                mem.reconnect()
+            return AttachedPool(mem.epoch, mem.attach())
+
+        service = ModelService(model, attach_pool)
+    except (ModelSvcError, MemsvcError) as exc:
+        print(f"model_svc: error: {exc}", file=sys.stderr)
+        if mem is not None:
+            mem.close()
+        return 2
+    try:
+        shell = ServiceShell(
+            "model_svc",
+            service.handle,
+            listen,
+            ready_file=args.ready_file,
+            ready_info={"epoch": service.epoch, "pool_epoch": service.pool.epoch},
+        )
+        asyncio.run(shell.run())
+    finally:
+        mem.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

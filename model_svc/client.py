@@ -1,0 +1,154 @@
+"""Clients of the model worker: :class:`ModelClient` (sync) and :class:`AsyncModelClient`.
+
+Both retry a forward call with the same ``op_id`` on a timeout (forward
+passes are idempotent) and raise :class:`memsvc.client.PeerDeadError` when
+the worker stays silent, never hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from memsvc import protocol as wire
+from memsvc import rpc
+from memsvc.client import PeerDeadError
+from model_svc.errors import ModelSvcError
+from model_svc.protocol import SamplingSpec
+
+
+class ForwardError(ModelSvcError):
+    """The worker refused or failed a request; ``code`` says why (e.g. ``invalid_batch``)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    next_token_ids: np.ndarray  # one per request, in batch order
+    logprobs: list[float | None] | None = None
+
+
+def _specs(sampling: Sequence[SamplingSpec | dict] | None) -> list[dict] | None:
+    if sampling is None:
+        return None
+    return [SamplingSpec.model_validate(s).model_dump() for s in sampling]
+
+
+def _ids(values: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=wire.ARRAY_DTYPE).reshape(-1)
+
+
+class _Ops:
+    """The worker's ops as (header, arrays) pairs; subclasses send them."""
+
+    def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
+        raise NotImplementedError
+
+    def info(self) -> Any:
+        return self._invoke({"op": "info"}, None)
+
+    def extend(
+        self,
+        items: Sequence[tuple[int, int, Sequence[int] | np.ndarray]],
+        sampling: Sequence[SamplingSpec | dict] | None = None,
+        pool_epoch: str | None = None,
+    ) -> Any:
+        """Compute each ``(row, prefix_len, new_token_ids)``; returns a ForwardResult."""
+        tokens = [_ids(new) for _, _, new in items]
+        arrays = {
+            "rows": _ids([row for row, _, _ in items]),
+            "prefix_lens": _ids([prefix for _, prefix, _ in items]),
+            "num_tokens": _ids([t.size for t in tokens]),
+            "token_ids": np.concatenate(tokens) if tokens else _ids([]),
+        }
+        header = {"op": "extend", "sampling": _specs(sampling), "pool_epoch": pool_epoch}
+        return self._invoke(header, arrays)
+
+    def decode(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        seq_lens: Sequence[int] | np.ndarray,
+        token_ids: Sequence[int] | np.ndarray,
+        sampling: Sequence[SamplingSpec | dict] | None = None,
+        pool_epoch: str | None = None,
+    ) -> Any:
+        """One token per request, ``token_ids[i]`` at position ``seq_lens[i] - 1``."""
+        arrays = {"rows": _ids(rows), "seq_lens": _ids(seq_lens), "token_ids": _ids(token_ids)}
+        header = {"op": "decode", "sampling": _specs(sampling), "pool_epoch": pool_epoch}
+        return self._invoke(header, arrays)
+
+
+def _result(header: dict[str, Any]) -> Any:
+    if not header.get("ok"):
+        raise ForwardError(header.get("code", "internal"), header.get("message", ""))
+    if "next_token_ids" in header:
+        return ForwardResult(header["next_token_ids"], header.get("logprobs"))
+    return header
+
+
+class ModelClient(_Ops):
+    def __init__(self, address: str, *, timeout_s: float = 60.0, retries: int = 1) -> None:
+        self.address, self.timeout_s, self.retries = address, timeout_s, retries
+        self._ctx = zmq.Context()
+        self._sock = rpc.dealer(self._ctx, address)
+        self._op_ids = itertools.count(1)
+
+    def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
+        op_id = next(self._op_ids)
+        frames = wire.pack({**header, "op_id": op_id}, arrays)
+        try:
+            reply = rpc.request(self._sock, frames, op_id, self.timeout_s, self.retries)
+        except rpc.NoReplyError as exc:
+            raise PeerDeadError(f"model_svc at {self.address}: {exc}") from None
+        return _result(reply)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> ModelClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncModelClient(_Ops):
+    def __init__(self, address: str, *, timeout_s: float = 60.0, retries: int = 1) -> None:
+        self.address, self.timeout_s, self.retries = address, timeout_s, retries
+        self._ctx = zmq.asyncio.Context()
+        self._sock = rpc.dealer(self._ctx, address)
+        self._op_ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
+        op_id = next(self._op_ids)
+        frames = wire.pack({**header, "op_id": op_id}, arrays)
+        async with self._lock:
+            try:
+                reply = await rpc.request_async(
+                    self._sock, frames, op_id, self.timeout_s, self.retries
+                )
+            except rpc.NoReplyError as exc:
+                raise PeerDeadError(f"model_svc at {self.address}: {exc}") from None
+        return _result(reply)
+
+    async def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    async def __aenter__(self) -> AsyncModelClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

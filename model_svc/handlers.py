@@ -1,0 +1,213 @@
+"""The model worker's request handlers: validate a forward batch, run it, sample.
+
+:meth:`ModelService.handle` turns one request into one reply and never
+raises. A batch is checked in full before the model touches the pool: rows
+in range, lengths within the context, every position's slot on a real page
+(memsvc zeroes a request's row when it closes it, so a stale or unknown row
+points at the padding page and is refused). Nothing is written for a
+refused batch. Forward passes write only the slots they are given, so the
+same batch sent again (a retry) writes the same bytes and returns the same
+tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memsvc import protocol as wire
+from memsvc.core.errors import MemsvcError
+from model_svc import protocol as p
+from model_svc.errors import InvalidBatchError, ModelSvcError
+from model_svc.model import ExtendItem, LlamaModel
+from model_svc.sampling import GREEDY, SamplingParams, sample
+
+log = logging.getLogger("model_svc")
+
+
+class StalePoolError(ModelSvcError):
+    """The request was meant for another memsvc epoch than the pool this worker maps."""
+
+    code = "stale_pool"
+
+
+@dataclass
+class AttachedPool:
+    """The pool the model is bound to, and the memsvc epoch it belongs to."""
+
+    epoch: str
+    views: Any  # memsvc AttachedBuffers: kept alive while the model reads it
+
+
+class ModelService:
+    """Runs forward passes of ``model`` over the pool that ``attach_pool()`` maps.
+
+    ``attach_pool`` (re)connects to memsvc and returns the current pool; it is
+    called again when a request names a newer memsvc epoch (memsvc restarted).
+    """
+
+    def __init__(self, model: LlamaModel, attach_pool: Callable[[], AttachedPool]) -> None:
+        self.model = model
+        self.epoch = secrets.token_hex(8)
+        self._attach_pool = attach_pool
+        self.pool: AttachedPool | None = None
+        self.counters = {"extend_tokens": 0, "decode_tokens": 0, "forward_passes": 0}
+        self._bind()
+        self._handlers = {"info": self._info, "extend": self._extend, "decode": self._decode}
+
+    def _bind(self) -> None:
+        self.pool = self._attach_pool()
+        views = self.pool.views
+        self.model.bind(views.kv_torch(), views.req_to_token_torch(), views.layout.page_size)
+        layout = views.layout
+        self._num_rows, self._max_context_len = layout.req_to_token_shape
+        self._min_slot = layout.page_size  # page 0 is padding: no real token lives there
+        self._end_slot = (layout.num_pages + 1) * layout.page_size
+        self._table = views.req_to_token  # host view, for validation
+        log.info("bound to memsvc pool epoch %s (%s)", self.pool.epoch, layout)
+
+    # -- the edge --------------------------------------------------------------
+
+    def handle(self, frames: list[bytes]) -> list[bytes]:
+        op_id = None
+        try:
+            msg = p.parse_request(frames)
+            op_id = msg.op_id
+            fields, arrays = self._handlers[msg.op](msg)
+            return wire.pack({"ok": True, "op_id": op_id, "epoch": self.epoch, **fields}, arrays)
+        except wire.ProtocolError as exc:
+            return self._error(op_id, exc.code, exc.message)
+        except (ModelSvcError, MemsvcError) as exc:
+            return self._error(op_id, exc.code, str(exc))
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("internal error")
+            return self._error(op_id, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _error(self, op_id: int | None, code: str, message: str) -> list[bytes]:
+        header = {
+            "ok": False,
+            "op_id": op_id,
+            "epoch": self.epoch,
+            "code": code,
+            "message": message,
+        }
+        return wire.pack(header)
+
+    # -- ops -------------------------------------------------------------------
+
+    def _info(self, msg: p.Info) -> tuple[dict[str, Any], None]:
+        return {
+            "model": self.model.config.to_dict(),
+            "pool_epoch": self.pool.epoch,
+            "layout": self.pool.views.layout.to_dict(),
+            "counters": dict(self.counters),
+        }, None
+
+    def _extend(self, msg: p.Extend) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        self._check_epoch(msg.pool_epoch)
+        rows, prefix_lens, num_tokens = msg.rows, msg.prefix_lens, msg.num_tokens
+        count = rows.size
+        if not (prefix_lens.size == num_tokens.size == count) or count == 0:
+            raise InvalidBatchError("rows, prefix_lens and num_tokens need one entry per request")
+        if (num_tokens < 1).any() or (prefix_lens < 0).any():
+            raise InvalidBatchError("every request needs >= 1 new token and a prefix_len >= 0")
+        if int(num_tokens.sum()) != msg.token_ids.size:
+            raise InvalidBatchError(
+                f"token_ids has {msg.token_ids.size} ids, num_tokens add up to "
+                f"{int(num_tokens.sum())}"
+            )
+        ends = prefix_lens + num_tokens
+        self._check_rows(rows, ends)
+        sampling = self._sampling(msg.sampling, count)
+        starts = np.concatenate([[0], np.cumsum(num_tokens)[:-1]])
+        items = [
+            ExtendItem(int(row), int(prefix), msg.token_ids[start : start + n])
+            for row, prefix, start, n in zip(
+                rows.tolist(),
+                prefix_lens.tolist(),
+                starts.tolist(),
+                num_tokens.tolist(),
+                strict=True,
+            )
+        ]
+        logits = self.model.extend(items)
+        self.counters["extend_tokens"] += int(num_tokens.sum())
+        return self._sampled(logits, sampling, ends - 1)
+
+    def _decode(self, msg: p.Decode) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        self._check_epoch(msg.pool_epoch)
+        rows, seq_lens = msg.rows, msg.seq_lens
+        count = rows.size
+        if not (seq_lens.size == msg.token_ids.size == count) or count == 0:
+            raise InvalidBatchError("rows, seq_lens and token_ids need one entry per request")
+        if (seq_lens < 1).any():
+            raise InvalidBatchError("every seq_len must be >= 1")
+        self._check_rows(rows, seq_lens)
+        sampling = self._sampling(msg.sampling, count)
+        logits = self.model.decode(rows, seq_lens, msg.token_ids)
+        self.counters["decode_tokens"] += count
+        return self._sampled(logits, sampling, seq_lens - 1)
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _check_epoch(self, pool_epoch: str | None) -> None:
+        if pool_epoch is None or pool_epoch == self.pool.epoch:
+            return
+        log.warning(
+            "request for memsvc epoch %s, bound to %s: re-attaching", pool_epoch, self.pool.epoch
+        )
+        self._bind()
+        if pool_epoch != self.pool.epoch:
+            raise StalePoolError(
+                f"the request is for memsvc epoch {pool_epoch}, the pool is {self.pool.epoch}"
+            )
+
+    def _check_rows(self, rows: np.ndarray, ends: np.ndarray) -> None:
+        """Every row in range, none twice, every position ``0..end-1`` on a real slot."""
+        if (rows < 1).any() or (rows >= self._num_rows).any():
+            raise InvalidBatchError(f"rows must be in 1..{self._num_rows - 1}")
+        if np.unique(rows).size != rows.size:
+            raise InvalidBatchError("a row appears twice in one batch")
+        if (ends > self._max_context_len).any():
+            raise InvalidBatchError(f"positions past max_context_len {self._max_context_len}")
+        for row, end in zip(rows.tolist(), ends.tolist(), strict=True):
+            slots = self._table[row, :end]
+            if slots.size and (slots.min() < self._min_slot or slots.max() >= self._end_slot):
+                raise InvalidBatchError(
+                    f"row {row} has no KV slot for some position below {end}: not an open "
+                    "request, or not allocated that far (ask memsvc first)"
+                )
+
+    def _sampling(self, specs: list[p.SamplingSpec] | None, count: int) -> list[SamplingParams]:
+        if specs is None:
+            return [GREEDY] * count
+        if len(specs) != count:
+            raise InvalidBatchError(f"{len(specs)} sampling specs for {count} requests")
+        return [
+            SamplingParams(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k or None,
+                seed=s.seed,
+                logprobs=s.logprobs,
+            )
+            for s in specs
+        ]
+
+    def _sampled(
+        self, logits: Any, sampling: list[SamplingParams], positions: np.ndarray
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        result = sample(logits, sampling, positions.tolist())
+        self.counters["forward_passes"] += 1
+        fields: dict[str, Any] = {}
+        if result.logprobs is not None:
+            fields["logprobs"] = [
+                float(lp) if param.logprobs else None
+                for lp, param in zip(result.logprobs.tolist(), sampling, strict=True)
+            ]
+        return fields, {"next_token_ids": result.token_ids.numpy().astype(np.int64)}

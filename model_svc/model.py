@@ -1,0 +1,399 @@
+"""A Llama decoder whose attention reads and writes K/V in the shared memsvc pool.
+
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM``, so a
+checkpoint's state dict loads as is. The pool is bound once (:meth:`bind`)
+as zero-copy views; each forward pass finds its tokens' slots in
+``req_to_token``, the table the memory service fills, so the two agree by
+construction::
+
+    req_to_token[row]:  | prefix: KV in the pool   | new tokens: KV written here |
+                        0                  prefix_len            prefix_len + n
+
+A pass writes K/V only into the new tokens' slots and reads only the
+request's own slots (decode's padding is zeroed), so re-running the same
+batch writes the same bytes and returns the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_svc.checkpoint import load_state_dict
+from model_svc.config import ModelConfig, RopeScaling
+from model_svc.errors import InvalidBatchError, ModelLayoutError
+
+IntArray = Sequence[int] | np.ndarray | torch.Tensor
+# attend(layer, q [T, heads, dim], k [T, kv_heads, dim], v) -> [T, heads * dim]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ExtendItem:
+    """One request in an extend batch.
+
+    Positions ``0..prefix_len-1`` already have K/V in the pool (a cached
+    prefix, earlier prefill chunks, a re-prefill hit); ``token_ids`` sit at
+    positions ``prefix_len..prefix_len+n-1``, slots ``req_to_token[row, prefix_len:][:n]``.
+    """
+
+    row: int
+    prefix_len: int
+    token_ids: Sequence[int] | np.ndarray
+
+
+# -- building blocks (HF Llama semantics) ----------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalized in (at least) float32, then scaled in the model dtype, as HF does.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, ``[head_dim // 2]``, with rope_scaling."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    return inv_freq if scaling is None else _scale_inv_freq(inv_freq, scaling)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between.
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(
+        wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq
+    )
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= old_len / scaling.high_freq_factor) & (
+        wavelen <= old_len / scaling.low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's "rotate_half" convention: dims ``i`` and ``i + dim/2`` form a pair."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``q [..., heads, n, dim]`` over ``k, v [..., kv_heads, L, dim]``; ``mask`` True = attend.
+
+    Query head ``h`` reads KV head ``h // (heads // kv_heads)`` (HF's ``repeat_kv``).
+    """
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=-3)
+        v = v.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, config.q_size, bias=False)
+        self.k_proj = nn.Linear(hidden, config.kv_size, bias=False)
+        self.v_proj = nn.Linear(hidden, config.kv_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, hidden, bias=False)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# -- the model -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _PoolViews:
+    kv: torch.Tensor  # [pages + 1, layers, 2, page_size, kv_heads, dim]
+    req_to_token: torch.Tensor  # [rows, max_context_len], int32
+    page_size: int
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        """Uninitialized weights (build under ``torch.device("meta")`` and load with ``assign``)."""
+        super().__init__()
+        self.config = config
+        self.model = LlamaBody(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self._pool: _PoolViews | None = None
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> LlamaModel:
+        """Load an HF-layout Llama checkpoint directory (``config.json`` + ``*.safetensors``)."""
+        config = ModelConfig.from_file(path)
+        return cls.from_state_dict(
+            config, load_state_dict(path, config, dtype=dtype), device=device
+        )
+
+    @classmethod
+    def from_state_dict(
+        cls, config: ModelConfig, state: dict[str, torch.Tensor], *, device: str = "cpu"
+    ) -> LlamaModel:
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.inv_freq = rope_inv_freq(config, torch.promote_types(model.dtype, torch.float32))
+        return model.to(device).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # -- the pool --------------------------------------------------------------
+
+    def bind(self, kv: torch.Tensor, req_to_token: torch.Tensor, page_size: int) -> None:
+        """Use these pool views (``ShmAttached.kv_torch()``, ``req_to_token_torch()``)."""
+        cfg = self.config
+        want = (cfg.num_hidden_layers, 2, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != want:
+            raise ModelLayoutError(
+                f"KV pool shape {tuple(kv.shape)} does not fit the model: expected "
+                f"[pages + 1, layers {want[0]}, 2, page_size {want[2]}, kv heads {want[3]}, "
+                f"head dim {want[4]}]"
+            )
+        if kv.dtype != self.dtype:
+            raise ModelLayoutError(
+                f"KV pool dtype {kv.dtype} differs from the model's {self.dtype}"
+            )
+        if kv.device != self.device or req_to_token.device != self.device:
+            raise ModelLayoutError(f"pool views are not on the model's device {self.device}")
+        if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
+            raise ModelLayoutError("req_to_token must be a 2-D int32 table")
+        self._pool = _PoolViews(kv, req_to_token, page_size)
+
+    def unbind(self) -> None:
+        """Drop the pool views (so the pool's mappings can be closed)."""
+        self._pool = None
+
+    # -- forward passes --------------------------------------------------------
+
+    @torch.inference_mode()
+    def extend(self, items: Sequence[ExtendItem]) -> torch.Tensor:
+        """Run each request's new tokens; float32 logits ``[len(items), vocab]`` of its last one."""
+        pool = self._bound()
+        if not items:
+            raise InvalidBatchError("an extend batch needs at least one request")
+        self._check_rows([item.row for item in items])
+        ids, positions, new_slots, contexts = [], [], [], []
+        for item in items:
+            tokens = self._token_tensor(item.token_ids)
+            end = item.prefix_len + tokens.numel()
+            if item.prefix_len < 0 or tokens.numel() == 0:
+                raise InvalidBatchError(f"row {item.row}: needs prefix_len >= 0 and new tokens")
+            self._check_len(end)
+            context = self._checked_slots(pool.req_to_token[item.row, :end], item.row)
+            # Query i (position prefix_len + i) sees keys 0..prefix_len + i.
+            mask = torch.ones(tokens.numel(), end, dtype=torch.bool, device=self.device)
+            pages, offsets = context // pool.page_size, context % pool.page_size
+            contexts.append((pages, offsets, mask.tril(diagonal=item.prefix_len)))
+            ids.append(tokens)
+            positions.append(torch.arange(item.prefix_len, end, device=self.device))
+            new_slots.append(context[item.prefix_len :])
+        new_slots_all = torch.cat(new_slots)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self._write_kv(layer, new_slots_all, k, v)
+            out, start = [], 0
+            for pages, offsets, mask in contexts:  # one request at a time, over its own K/V
+                q_i = q[start : start + mask.shape[0]].transpose(0, 1)
+                k_i = k_cache[pages, offsets].transpose(0, 1)
+                v_i = v_cache[pages, offsets].transpose(0, 1)
+                out.append(attention(q_i, k_i, v_i, mask).transpose(0, 1))
+                start += mask.shape[0]
+            return torch.cat(out).flatten(1)
+
+        hidden = self.run_layers(torch.cat(ids), torch.cat(positions), attend)
+        last = torch.cumsum(torch.tensor([t.numel() for t in ids], device=self.device), 0) - 1
+        return self.logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, rows: IntArray, seq_lens: IntArray, token_ids: IntArray) -> torch.Tensor:
+        """One token per request, at position ``seq_lens[i] - 1`` (its slot already allocated).
+
+        It attends to positions ``0..seq_lens[i] - 1``. Returns float32 logits ``[n, vocab]``.
+        The batch's contexts are gathered into one padded block (padding zeroed and masked).
+        """
+        pool = self._bound()
+        rows_t = self._int_tensor(rows)
+        lens = self._int_tensor(seq_lens)
+        tokens = self._token_tensor(token_ids)
+        if not rows_t.numel() or not rows_t.numel() == lens.numel() == tokens.numel():
+            raise InvalidBatchError("decode needs equally many rows, seq_lens and token ids (> 0)")
+        self._check_rows(rows_t.tolist())
+        if int(lens.min()) < 1:
+            raise InvalidBatchError("every seq_len must be >= 1")
+        max_len = int(lens.max())
+        self._check_len(max_len)
+        valid = torch.arange(max_len, device=self.device) < lens[:, None]  # [B, L]
+        slots = pool.req_to_token[rows_t, :max_len].long().masked_fill(~valid, 0)
+        self._checked_slots(slots[valid], None)
+        batch = torch.arange(rows_t.numel(), device=self.device)
+        new_slots = slots[batch, lens - 1]
+        pages, offsets = slots // pool.page_size, slots % pool.page_size
+        mask = valid[:, None, None, :]  # [B, 1 (heads), 1 (query), L]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self._write_kv(layer, new_slots, k, v)
+            # Padding reads page 0; zero it so stray bytes (even NaN) cannot leak through.
+            k_all = k_cache[pages, offsets].masked_fill(~valid[..., None, None], 0)
+            v_all = v_cache[pages, offsets].masked_fill(~valid[..., None, None], 0)
+            out = attention(q[:, :, None], k_all.transpose(1, 2), v_all.transpose(1, 2), mask)
+            return out.flatten(1)
+
+        hidden = self.run_layers(tokens, lens - 1, attend)
+        return self.logits(hidden)
+
+    # -- the layer stack, shared with the dense reference ----------------------
+
+    def run_layers(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (before the final norm); ``attend`` owns the K/V."""
+        cfg = self.config
+        num_tokens = token_ids.numel()
+        hidden = self.model.embed_tokens(token_ids)
+        cos, sin = self._rope_tables(positions)
+        for index, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(num_tokens, cfg.num_attention_heads, cfg.head_dim)
+            k = attn.k_proj(x).view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            v = attn.v_proj(x).view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            hidden = hidden + attn.o_proj(attend(index, q, k, v))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head (tied to the embedding when the config says so), as float32."""
+        hidden = self.model.norm(hidden)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].to(self.inv_freq.dtype) * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # broadcast over heads
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _write_kv(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' K/V of ``layer``; returns the layer's strided K and V views."""
+        pool = self._bound()
+        k_cache, v_cache = pool.kv[:, layer, 0], pool.kv[:, layer, 1]
+        pages, offsets = slots // pool.page_size, slots % pool.page_size
+        k_cache[pages, offsets] = k
+        v_cache[pages, offsets] = v
+        return k_cache, v_cache
+
+    # -- argument checks -------------------------------------------------------
+
+    def _bound(self) -> _PoolViews:
+        if self._pool is None:
+            raise ModelLayoutError("no KV pool bound: call bind() first")
+        return self._pool
+
+    def _int_tensor(self, values: IntArray) -> torch.Tensor:
+        array = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise InvalidBatchError(f"expected a 1-D array of ints, got {array.dtype}{array.shape}")
+        return torch.as_tensor(array.astype(np.int64), device=self.device)
+
+    def _token_tensor(self, token_ids: IntArray) -> torch.Tensor:
+        tokens = self._int_tensor(token_ids)
+        if tokens.numel() and (
+            int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size
+        ):
+            raise InvalidBatchError(f"token ids must be in 0..{self.config.vocab_size - 1}")
+        return tokens
+
+    def _check_rows(self, rows: list[int]) -> None:
+        num_rows = self._bound().req_to_token.shape[0]
+        if len(set(rows)) != len(rows):
+            raise InvalidBatchError("a row appears twice in one batch")
+        if any(not 1 <= row < num_rows for row in rows):
+            raise InvalidBatchError(f"rows must be in 1..{num_rows - 1}, got {rows}")
+
+    def _check_len(self, seq_len: int) -> None:
+        max_len = self._bound().req_to_token.shape[1]
+        if seq_len > max_len:
+            raise InvalidBatchError(f"{seq_len} positions exceed req_to_token width {max_len}")
+
+    def _checked_slots(self, slots: torch.Tensor, row: int | None) -> torch.Tensor:
+        """``slots`` as int64, if each is on a usable page (page 0 means: never allocated)."""
+        pool = self._bound()
+        slots = slots.long()
+        if slots.numel() and (
+            int(slots.min()) < pool.page_size
+            or int(slots.max()) >= pool.kv.shape[0] * pool.page_size
+        ):
+            where = "a request" if row is None else f"row {row}"
+            raise InvalidBatchError(f"{where} has positions without a KV slot in req_to_token")
+        return slots

@@ -1,0 +1,109 @@
+"""Next-token choice: greedy by default; temperature / top-k / top-p with a per-request seed.
+
+A random draw uses its own ``torch.Generator`` seeded from ``(seed, position)``,
+so the same request at the same position always draws the same token,
+whatever else is in the batch and however often the step is re-run (a
+re-run after a crash returns the same tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """``temperature == 0`` is greedy; ``top_k=None`` and ``top_p=1`` keep every token.
+
+    ``seed=None`` draws as seed 0: the caller gives each request its own
+    seed (e.g. :func:`seed_from_rid`) so that equal prompts can differ.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class SampleResult(NamedTuple):
+    token_ids: torch.Tensor  # [n] int64
+    # [n] float32: log-probability of each chosen token under the model's own
+    # distribution (before temperature, top-k, top-p); None when no request asked.
+    logprobs: torch.Tensor | None
+
+
+GREEDY = SamplingParams()
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> SampleResult:
+    """One token per row of ``logits [n, vocab]``.
+
+    ``positions[i]`` is where row ``i``'s token will sit in its sequence (its
+    length so far); with the request's seed it fixes the random draw.
+    """
+    if logits.dim() != 2 or not logits.shape[0] == len(params) == len(positions):
+        raise ValueError("sample needs logits [n, vocab] and n params and positions")
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    for i, (param, position) in enumerate(zip(params, positions, strict=True)):
+        if not param.is_greedy:
+            token_ids[i] = _draw(logits[i], param, int(position))
+    logprobs = None
+    if any(param.logprobs for param in params):
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])[:, 0]
+    return SampleResult(token_ids, logprobs)
+
+
+def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
+    """Sample from one row: scale, keep the top-k, keep the top-p nucleus, draw."""
+    scaled = row.cpu() / param.temperature
+    # stable: equal logits keep vocabulary order, so the draw is reproducible
+    sorted_logits, order = scaled.sort(descending=True, stable=True)
+    if param.top_k is not None:
+        sorted_logits, order = sorted_logits[: param.top_k], order[: param.top_k]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    if param.top_p < 1:
+        # Keep a token while the mass before it is under top_p (the first always stays).
+        keep = (probs.cumsum(0) - probs) < param.top_p
+        probs, order = probs[keep], order[keep]
+    generator = torch.Generator().manual_seed(draw_seed(param.seed or 0, position))
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return int(order[choice])
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from ``(seed, position)`` (splitmix64 of their mix)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seed_from_rid(rid: str) -> int:
+    """A stable per-request seed for requests that did not choose one."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little")

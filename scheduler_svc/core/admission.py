@@ -1,0 +1,269 @@
+"""PrefillAdder: the token budget of one admission round.
+
+Build a fresh adder each scheduling round. Budgets, in tokens::
+
+    A = available + evictable                     (from memsvc, at the start of the round)
+    remaining_total   = A − Σ running reservations − Σ admitted charges
+                        "can everything running and admitted still finish?"
+    remaining_current = A − Σ admitted prefill charges
+                        "does this round's prefill itself fit right now?"
+
+    running reservation = min(max_new − generated, clip) × ratio   (ratio 1.0 under ignore_eos)
+    admitted charge     = ceil_page(extend) + page_size + min(max_new, clip)  (to total)
+                        = ceil_page(extend) + page_size                       (to current)
+
+The extra page per admitted request covers paged-allocation rounding
+(SGLang 0.5.23) and is what makes the intake clamp of ``policy.py`` agree
+with admission: a request clamped there always fits an empty pool. A chunk
+that is not the last reserves no output.
+
+A request is admitted only if its whole charge is strictly below
+``remaining_total``, so admissions never overdraw the budget. (SGLang checks
+``extend + max_new`` against it and then charges ``ceil_page(extend)``, which
+can overdraw by up to a page; here the check and the charge are one number.)
+Only the in-progress chunk is always admitted, since it already holds KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import Req
+
+
+def ceil_page(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size) * page_size
+
+
+def floor_page(num_tokens: int, page_size: int) -> int:
+    return num_tokens // page_size * page_size
+
+
+def running_reservation(req: Req, new_token_ratio: float, clip: int) -> float:
+    """What a running request is expected still to need: its remaining output, scaled."""
+    remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+    ratio = 1.0 if req.sampling_params.ignore_eos else new_token_ratio
+    return min(remaining, clip) * ratio
+
+
+class AddResult(Enum):
+    CONTINUE = "continue"  # keep adding
+    NO_TOKEN = "no_token"  # out of KV tokens: the batch is full until memory frees up
+    OTHER = "other"  # another limit (request count, prefill/chunk tokens): stop for this round
+
+
+class AddDecision(NamedTuple):
+    """``extend_len > 0``: admitted, compute that many tokens this round (maybe a chunk).
+
+    ``result`` says whether to try the next request. A request can be admitted
+    and still end the round (e.g. its chunk used up the chunk budget).
+    ``extend_len == 0``: not admitted, nothing charged; ``result`` says why.
+    """
+
+    result: AddResult
+    extend_len: int
+
+    @property
+    def admitted(self) -> bool:
+        return self.extend_len > 0
+
+
+class Admission(NamedTuple):
+    req: Req
+    prefix_len: int
+    extend_len: int
+
+
+class PrefillAdder:
+    """Admission decisions for one round; every call either admits and charges, or changes nothing.
+
+    Call :meth:`add_chunked_req` first when a chunked prefill is in progress
+    (name it as ``chunked_req``), then :meth:`add_one_req` for waiting requests
+    in queue order, stopping at the first result other than CONTINUE.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        available_tokens: int,
+        running_reqs: Sequence[Req] = (),
+        new_token_ratio: float | None = None,
+        num_running_reqs: int | None = None,
+        chunked_req: Req | None = None,
+    ) -> None:
+        if available_tokens < 0:
+            raise ValueError(f"available_tokens must be >= 0, got {available_tokens}")
+        if new_token_ratio is None:
+            if running_reqs:
+                raise ValueError("running requests need the tracker's new_token_ratio")
+            new_token_ratio = 0.0
+        self.config = config
+        self.page_size = config.page_size
+        self.available_tokens = available_tokens
+        self.new_token_ratio = new_token_ratio
+        self.num_running_reqs = len(running_reqs) if num_running_reqs is None else num_running_reqs
+        self.chunked_req = chunked_req
+        clip = config.clip_max_new_tokens
+        self.running_reserved: float = sum(
+            running_reservation(r, new_token_ratio, clip) for r in running_reqs
+        )
+        self.admitted_offset: int = 0  # charges of this round's admissions (to the total)
+        self.current_offset: int = 0
+        self.rem_input_tokens: int = config.max_prefill_tokens
+        self.rem_chunk_tokens: int | None = config.chunked_prefill_size
+        self.admitted: list[Admission] = []
+        self.new_chunked_req: Req | None = None
+        self._chunked_added = False
+        # For logs/metrics: prefix hits and computed tokens, first attempts vs re-prefills.
+        self.num_hit_tokens = self.num_input_tokens = 0
+        self.num_reprocessed_hit_tokens = self.num_reprocessed_input_tokens = 0
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def total_offset(self) -> float:
+        return self.running_reserved + self.admitted_offset
+
+    @property
+    def remaining_total_tokens(self) -> float:
+        return self.available_tokens - self.admitted_offset - self.running_reserved
+
+    @property
+    def remaining_current_tokens(self) -> int:
+        return self.available_tokens - self.current_offset
+
+    @property
+    def num_free_request_slots(self) -> int:
+        """``max_running_requests`` minus running and admitted-this-round requests."""
+        return self.config.max_running_requests - self.num_running_reqs - len(self.admitted)
+
+    def budget_state(self) -> AddResult:
+        if self.remaining_total_tokens <= 0 or self.remaining_current_tokens <= 0:
+            return AddResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (
+            self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
+        ):
+            return AddResult.OTHER
+        return AddResult.CONTINUE
+
+    def charge(self, extend_len: int, max_new_tokens: int) -> int:
+        """What admitting ``extend_len`` tokens reserving ``max_new_tokens`` adds to the total."""
+        return ceil_page(extend_len, self.page_size) + self.page_size + max_new_tokens
+
+    def _clipped_max_new(self, req: Req) -> int:
+        # What the request may still generate. For a new request that is its
+        # max_new_tokens (as in SGLang); a retracted one has already produced
+        # len(output_ids) of them, and charging the full amount again could make
+        # a long request inadmissible even into an empty pool (starved forever).
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return min(max(remaining, 0), self.config.clip_max_new_tokens)
+
+    def _chunk_len(self, prefix_len: int, limit: int) -> int:
+        # Whole pages, and the chunk must end on a page boundary of the sequence.
+        chunk = floor_page(limit, self.page_size)
+        return floor_page(prefix_len + chunk, self.page_size) - prefix_len
+
+    def _reserve(self, req: Req, prefix_len: int, extend_len: int, max_new_tokens: int) -> None:
+        paged = ceil_page(extend_len, self.page_size)
+        self.admitted_offset += paged + self.page_size + max_new_tokens
+        self.current_offset += paged + self.page_size
+        self.rem_input_tokens -= paged
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= paged
+        self.admitted.append(Admission(req, prefix_len, extend_len))
+
+    def _log_tokens(self, req: Req, hit_len: int, extend_len: int) -> None:
+        if req.retracted_stain:
+            self.num_reprocessed_hit_tokens += hit_len
+            self.num_reprocessed_input_tokens += extend_len
+        else:
+            self.num_hit_tokens += hit_len
+            self.num_input_tokens += extend_len
+
+    # -- admission -------------------------------------------------------------
+
+    def add_chunked_req(self, req: Req) -> AddDecision:
+        """Admit the next chunk of the in-progress chunked prefill. Always admitted.
+
+        Its KV so far is held by the request, so skipping it would strand it.
+        The chunk is limited by the chunk budget and, if positive, the total
+        budget; it reserves the request's output only when it is the last.
+        """
+        if req is not self.chunked_req or self._chunked_added or self.admitted:
+            raise ValueError("add_chunked_req: pass the adder's chunked_req, once, before others")
+        if self.rem_chunk_tokens is None:
+            raise ValueError("add_chunked_req: chunked prefill is off")
+        if req.extend_in_flight:
+            raise ValueError(f"chunked request {req.rid!r}: previous chunk not completed")
+        self._chunked_added = True
+        prefix_len = req.kv_len
+        full_len = req.seq_len - prefix_len
+        if full_len < 1:
+            raise ValueError(f"chunked request {req.rid!r} has nothing left to prefill")
+        limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))
+        if limit <= 0:  # the total budget is gone: the chunk budget alone decides
+            limit = self.rem_chunk_tokens
+        extend_len = full_len
+        if full_len > limit:
+            chunk_len = self._chunk_len(prefix_len, limit)
+            if chunk_len <= 0:  # less than a page of total budget left: likewise
+                chunk_len = self._chunk_len(prefix_len, self.rem_chunk_tokens)
+            extend_len = min(full_len, chunk_len)
+        is_last = extend_len == full_len
+        self._reserve(req, prefix_len, extend_len, self._clipped_max_new(req) if is_last else 0)
+        self._log_tokens(req, 0, extend_len)  # its hit was logged with the first chunk
+        if not is_last:
+            self.new_chunked_req = req
+        return AddDecision(self.budget_state(), extend_len)
+
+    def add_one_req(self, req: Req, prefix_len: int) -> AddDecision:
+        """Try to admit a waiting request whose first ``prefix_len`` tokens hit the cache.
+
+        In order: OTHER if ``max_running_requests`` is reached; the budget
+        state if it is no longer CONTINUE; NO_TOKEN if the whole request's
+        charge is not strictly below ``remaining_total``; OTHER if (chunking
+        off) the prompt would reach the prefill-token cap and is not the
+        first admitted. Otherwise it is admitted whole or, with chunking, as a
+        page-aligned chunk that fills the chunk budget.
+        """
+        if self.chunked_req is not None and not self._chunked_added:
+            raise ValueError("add_one_req: add the chunked request first")
+        extend_len = req.seq_len - prefix_len
+        if not 0 <= prefix_len < req.seq_len:
+            raise ValueError(
+                f"prefix_len {prefix_len} outside [0, {req.seq_len}) for request {req.rid!r}"
+            )
+        if self.num_free_request_slots <= 0:
+            return AddDecision(AddResult.OTHER, 0)
+        state = self.budget_state()
+        if state is not AddResult.CONTINUE:
+            return AddDecision(state, 0)
+        max_new = self._clipped_max_new(req)
+        if self.charge(extend_len, max_new) >= self.remaining_total_tokens:
+            return AddDecision(AddResult.NO_TOKEN, 0)
+        input_tokens = ceil_page(extend_len, self.page_size)
+        if self.rem_chunk_tokens is None:
+            if self.admitted and input_tokens >= self.rem_input_tokens:
+                return AddDecision(AddResult.OTHER, 0)
+        elif input_tokens > self.rem_chunk_tokens:
+            chunk_len = self._chunk_len(prefix_len, self.rem_chunk_tokens)
+            if chunk_len <= 0:
+                return AddDecision(AddResult.OTHER, 0)
+            self._reserve(req, prefix_len, chunk_len, 0)
+            self._log_tokens(req, prefix_len, chunk_len)
+            self.new_chunked_req = req
+            return AddDecision(self.budget_state(), chunk_len)
+        self._reserve(req, prefix_len, extend_len, max_new)
+        self._log_tokens(req, prefix_len, extend_len)
+        return AddDecision(self.budget_state(), extend_len)
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefillAdder(remaining_total={self.remaining_total_tokens:.1f}, "
+            f"remaining_current={self.remaining_current_tokens}, "
+            f"rem_input={self.rem_input_tokens}, rem_chunk={self.rem_chunk_tokens}, "
+            f"admitted={len(self.admitted)})"
+        )

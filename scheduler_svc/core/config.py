@@ -1,0 +1,156 @@
+"""SchedulerConfig: every knob of admission and retract, validated once.
+
+The tuning knobs keep SGLang's environment names and defaults so that SGLang
+tuning advice applies verbatim; :meth:`SchedulerConfig.from_env` reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from scheduler_svc.core.errors import ConfigError
+
+RetractionPolicy = Literal["length", "priority"]
+RETRACTION_POLICIES: tuple[str, ...] = ("length", "priority")
+
+
+def _parse_bool(value: str) -> bool:
+    # SGLang's EnvBool spellings.
+    lowered = value.strip().lower()
+    if lowered in ("true", "1", "yes", "y"):
+        return True
+    if lowered in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f"{value!r} is not a valid boolean value")
+
+
+# field name -> (environment variable, parser)
+ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "init_new_token_ratio": ("SGLANG_INIT_NEW_TOKEN_RATIO", float),
+    "min_new_token_ratio_factor": ("SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR", float),
+    "new_token_ratio_decay_steps": ("SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS", int),
+    "retract_decode_steps": ("SGLANG_RETRACT_DECODE_STEPS", int),
+    "clip_max_new_tokens": ("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", int),
+    "test_retract": ("SGLANG_TEST_RETRACT", _parse_bool),
+    "test_retract_interval": ("SGLANG_TEST_RETRACT_INTERVAL", int),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Admission, ratio and retract settings of one scheduler.
+
+    ``chunked_prefill_size=None`` turns chunked prefill off; when on it must be
+    at least one page, so that a chunk (floored to whole pages) is never empty.
+    """
+
+    page_size: int
+    max_running_requests: int
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None
+    schedule_conservativeness: float = 1.0
+    retraction_policy: RetractionPolicy = "length"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    speculative: bool = False
+    # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    retract_decode_steps: int = 20
+    clip_max_new_tokens: int = 4096
+    test_retract: bool = False
+    test_retract_interval: int = 3
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ConfigError("invalid scheduler config: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if self.page_size < 1:
+            problems.append(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            problems.append(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_prefill_tokens < 1:
+            problems.append(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < self.page_size:
+            problems.append(
+                f"chunked_prefill_size must be None (off) or >= page_size ({self.page_size}), "
+                f"got {self.chunked_prefill_size}"
+            )
+        if self.schedule_conservativeness < 0:
+            problems.append(
+                f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}"
+            )
+        if self.retraction_policy not in RETRACTION_POLICIES:
+            problems.append(
+                f"retraction_policy must be one of {RETRACTION_POLICIES}, "
+                f"got {self.retraction_policy!r}"
+            )
+        elif self.retraction_policy == "priority" and not self.enable_priority_scheduling:
+            problems.append(
+                "retraction_policy='priority' requires enable_priority_scheduling=True "
+                "(requests carry no usable priority otherwise)"
+            )
+        if self.init_new_token_ratio < 0 or self.min_new_token_ratio_factor < 0:
+            problems.append(
+                "SGLANG_INIT_NEW_TOKEN_RATIO and SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR must be >= 0"
+            )
+        if self.new_token_ratio_decay_steps < 1:
+            problems.append(
+                "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS must be >= 1, "
+                f"got {self.new_token_ratio_decay_steps}"
+            )
+        if self.retract_decode_steps < 0:
+            problems.append(
+                f"SGLANG_RETRACT_DECODE_STEPS must be >= 0, got {self.retract_decode_steps}"
+            )
+        if self.clip_max_new_tokens < 0:
+            problems.append(
+                "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION must be >= 0, "
+                f"got {self.clip_max_new_tokens}"
+            )
+        if self.test_retract_interval < 1:
+            problems.append(
+                f"SGLANG_TEST_RETRACT_INTERVAL must be >= 1, got {self.test_retract_interval}"
+            )
+        return problems
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> SchedulerConfig:
+        """Build a config from ``SGLANG_*`` variables; keyword ``overrides`` win over both.
+
+        ``environ`` defaults to ``os.environ``. A malformed value raises
+        :class:`ConfigError` naming the variable (SGLang would warn and fall
+        back to the default; a service refusing to start is easier to notice).
+        """
+        environ = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"unknown scheduler config fields: {unknown}")
+        values: dict[str, Any] = {}
+        for name, (env_name, parse) in ENV_FIELDS.items():
+            raw = environ.get(env_name)
+            if raw is None or name in overrides:
+                continue
+            try:
+                values[name] = parse(raw)
+            except ValueError as e:
+                raise ConfigError(f"{env_name}={raw!r}: {e}") from None
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except TypeError as e:  # a required field (page_size, ...) is missing
+            raise ConfigError(str(e)) from None
+
+    def is_test_retract_step(self, forward_ct: int) -> bool:
+        """``SGLANG_TEST_RETRACT``: force a retract on every ``interval``-th forward."""
+        return self.test_retract and forward_ct % self.test_retract_interval == 0

@@ -1,0 +1,322 @@
+"""Req: one generation request and its checked state machine.
+
+::
+
+    WAITING ──start_prefill──► PREFILLING ──start_decode──► RUNNING ──┐
+       │                        │  ▲  continue_prefill (next chunk)  │ reset_for_retract
+       │                        └──┘                                 ▼
+       │       RETRACTED ──start_prefill (re-prefill origin + output)──► PREFILLING
+       │       RETRACTED ──resume (PD: KV loaded back from the host)───► RUNNING
+       └── abort ──► ABORTED        PREFILLING | RUNNING ──check_finished──► FINISHED
+
+Token regions of one prefill round (``fill_ids = origin_input_ids + output_ids``)::
+
+    | prefix: KV exists (tree hit or earlier chunks) | extend: computed this round | rest |
+    0                                       prefix_len              prefix_len + extend_len
+    kv_len = prefix_len until complete_extend(), then prefix_len + extend_len
+
+While RUNNING, ``kv_len == len(fill_ids) - 1``: the last sampled token's KV is
+written by the next decode step, which is why it opens a new page when
+``kv_len % page_size == 0``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from scheduler_svc.core.errors import IllegalTransitionError
+
+
+class ReqState(IntEnum):
+    """Ordered: anything at or after FINISHED is terminal."""
+
+    WAITING = 0
+    PREFILLING = 1
+    RUNNING = 2
+    RETRACTED = 3
+    FINISHED = 4
+    ABORTED = 5
+
+
+_S = ReqState
+TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
+    _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
+    # PREFILLING -> RETRACTED: pause-retract takes the in-progress chunk too.
+    _S.PREFILLING: frozenset({_S.PREFILLING, _S.RUNNING, _S.RETRACTED, _S.FINISHED, _S.ABORTED}),
+    _S.RUNNING: frozenset({_S.RETRACTED, _S.FINISHED, _S.ABORTED}),
+    _S.RETRACTED: frozenset({_S.PREFILLING, _S.RUNNING, _S.ABORTED}),
+    _S.FINISHED: frozenset(),
+    _S.ABORTED: frozenset(),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class FinishLength:
+    length: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishMatchedToken:
+    matched: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True, slots=True)
+class FinishAbort:
+    message: str
+    status_code: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
+
+
+FinishReason = FinishLength | FinishMatchedToken | FinishAbort
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    """A request as the scheduler sees it. Change state only through the methods.
+
+    ``row`` is the request's req_to_token row in memsvc, ``None`` while it
+    holds none. The service reads it before ``reset_for_retract`` (which
+    forgets it) to release the KV. ``output_ids`` survive a retract: streamed
+    text is never re-sent and the re-prefill recomputes them.
+    """
+
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    state: ReqState = field(default=ReqState.WAITING, init=False)
+    row: int | None = field(default=None, init=False)
+    # Per-attempt prefill bookkeeping (cleared by reset_for_retract).
+    prefix_len: int = field(default=0, init=False)
+    extend_len: int = field(default=0, init=False)
+    kv_len: int = field(default=0, init=False)
+    is_chunked: bool = field(default=False, init=False)
+    extend_in_flight: bool = field(default=False, init=False)
+    already_computed: int = field(default=0, init=False)
+    # Sticky accounting.
+    retraction_count: int = field(default=0, init=False)
+    retracted_stain: bool = field(default=False, init=False)
+    cached_tokens: int = field(default=0, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    # Time stamps (time.monotonic()).
+    queue_entry_time: float = field(default=0.0, init=False)
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    retract_time: float | None = field(default=None, init=False)
+    finish_time: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.origin_input_ids:
+            raise ValueError(f"request {self.rid!r} has an empty prompt")
+        self.origin_input_ids = list(self.origin_input_ids)
+        self.output_ids = list(self.output_ids)
+        self.queue_entry_time = self.arrival_time
+
+    # -- derived ---------------------------------------------------------------
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """What a (re-)prefill computes: the prompt plus everything generated so far."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state >= ReqState.FINISHED
+
+    @property
+    def is_retracted(self) -> bool:
+        return self.state is ReqState.RETRACTED
+
+    @property
+    def prefill_done(self) -> bool:
+        """The whole of ``fill_ids`` (as it was at admission) has KV."""
+        return self.state is ReqState.PREFILLING and not (self.extend_in_flight or self.is_chunked)
+
+    # -- transitions -----------------------------------------------------------
+
+    def _move(self, target: ReqState, why: str = "") -> None:
+        if target not in TRANSITIONS[self.state]:
+            detail = f": {why}" if why else ""
+            raise IllegalTransitionError(
+                f"request {self.rid!r}: {self.state.name} -> {target.name} is not allowed{detail}"
+            )
+        self.state = target
+
+    def _require(self, condition: bool, target: ReqState, why: str) -> None:
+        if not condition:
+            raise IllegalTransitionError(
+                f"request {self.rid!r}: {self.state.name} -> {target.name}: {why}"
+            )
+
+    def start_prefill(self, row: int, prefix_len: int, extend_len: int) -> None:
+        """Admitted: compute ``extend_len`` tokens after a ``prefix_len`` cache hit.
+
+        ``cached_tokens`` counts the hit only on the first attempt: after a
+        retract the hit is mostly the request's own earlier KV, and counting
+        it again would inflate the cache-hit rate.
+        """
+        target = ReqState.PREFILLING
+        self._require(self.state in (ReqState.WAITING, ReqState.RETRACTED), target, "not queued")
+        self._check_round(prefix_len, extend_len, target)
+        self._require(row >= 0, target, f"bad row {row}")
+        self._move(target)
+        self.row = row
+        if not self.retracted_stain:
+            self.cached_tokens += prefix_len - self.already_computed
+        self._begin_round(prefix_len, extend_len)
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+
+    def continue_prefill(self, extend_len: int) -> None:
+        """Schedule the next chunk of a chunked prefill, right after the last one."""
+        target = ReqState.PREFILLING
+        self._require(self.state is target and self.is_chunked, target, "no chunk in progress")
+        self._require(not self.extend_in_flight, target, "previous chunk not completed")
+        self._check_round(self.kv_len, extend_len, target)
+        self._move(target)
+        self._begin_round(self.kv_len, extend_len)
+
+    def _check_round(self, prefix_len: int, extend_len: int, target: ReqState) -> None:
+        self._require(
+            prefix_len >= 0 and extend_len >= 0 and prefix_len + extend_len <= self.seq_len,
+            target,
+            f"prefix {prefix_len} + extend {extend_len} outside fill_ids of {self.seq_len}",
+        )
+
+    def _begin_round(self, prefix_len: int, extend_len: int) -> None:
+        self.prefix_len = prefix_len
+        self.extend_len = extend_len
+        self.kv_len = prefix_len
+        self.already_computed = prefix_len + extend_len
+        self.is_chunked = prefix_len + extend_len < self.seq_len
+        self.extend_in_flight = True
+
+    def complete_extend(self) -> bool:
+        """The round's forward pass wrote its KV. Returns whether the prefill is done."""
+        self._require(
+            self.state is ReqState.PREFILLING and self.extend_in_flight,
+            ReqState.PREFILLING,
+            "no extend in flight",
+        )
+        self.extend_in_flight = False
+        self.kv_len = self.prefix_len + self.extend_len
+        return not self.is_chunked
+
+    def append_token(self, token_id: int) -> None:
+        """Append a sampled token: after the final prefill round, or after a decode step.
+
+        A decode step wrote the KV of the previous last token, so ``kv_len``
+        grows by one; a prefill already counted its tokens.
+        """
+        if self.state is ReqState.RUNNING:
+            self._require(self.kv_len == self.seq_len - 1, self.state, "decode KV out of step")
+            self.kv_len += 1
+        else:
+            self._require(
+                self.prefill_done and self.kv_len == self.seq_len,
+                ReqState.RUNNING,
+                "can append a token only after the final prefill round or a decode step",
+            )
+        self.output_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def start_decode(self) -> None:
+        """Join the running decode batch once the prefill has sampled its token."""
+        target = ReqState.RUNNING
+        self._require(
+            self.prefill_done and self.kv_len == self.seq_len - 1,
+            target,
+            "prefill not complete or no token sampled yet",
+        )
+        self._move(target)
+
+    def resume(self, row: int) -> None:
+        """PD decode: the retracted KV (all but the last token) was loaded into ``row``."""
+        target = ReqState.RUNNING
+        self._require(self.is_retracted and bool(self.output_ids), target, "nothing to resume")
+        self._move(target)
+        self.row = row
+        self.kv_len = self.seq_len - 1
+
+    def reset_for_retract(self) -> None:
+        """Retracted: forget the attempt, keep what was generated.
+
+        Kept: ``output_ids``, sampling params, priority, ``cached_tokens``,
+        time stamps. Cleared: the row, prefix/extend/KV lengths, the chunk
+        state. ``retraction_count`` grows and ``retracted_stain`` sticks.
+        """
+        self._move(ReqState.RETRACTED)
+        self.row = None
+        self.prefix_len = self.extend_len = self.kv_len = self.already_computed = 0
+        self.is_chunked = self.extend_in_flight = False
+        self.retraction_count += 1
+        self.retracted_stain = True
+        # Re-queued: the waiting clock restarts (SGLang's set_wait_queue_entry_time).
+        self.retract_time = self.queue_entry_time = time.monotonic()
+
+    def check_finished(self, eos_token_ids: Collection[int] = ()) -> bool:
+        """After ``append_token``: finish on ``max_new_tokens`` or a stop/EOS token.
+
+        The length limit is checked first; stop tokens and EOS are both
+        ignored under ``ignore_eos``. Returns whether the request is finished.
+        """
+        if self.is_finished:
+            return True
+        self._require(bool(self.output_ids), ReqState.FINISHED, "no token generated yet")
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self._finish(FinishLength(params.max_new_tokens))
+            return True
+        last = self.output_ids[-1]
+        if not params.ignore_eos and (last in params.stop_token_ids or last in eos_token_ids):
+            self._finish(FinishMatchedToken(last))
+            return True
+        return False
+
+    def _finish(self, reason: FinishReason) -> None:
+        self._move(ReqState.FINISHED)
+        self.finish_reason = reason
+        self.finish_time = time.monotonic()
+
+    def abort(self, message: str, status_code: int) -> None:
+        """End the request with an error. ``row`` is kept so the service can release it."""
+        self._move(ReqState.ABORTED)
+        self.finish_reason = FinishAbort(message, status_code)
+        self.is_chunked = self.extend_in_flight = False
+        self.finish_time = time.monotonic()

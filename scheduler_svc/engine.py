@@ -1,0 +1,338 @@
+"""The normal-mode scheduling loop: admission, prefill, decode, retract, re-prefill.
+
+One :meth:`Engine.step` is one iteration of SGLang's loop, prefill first::
+
+    commands (submit / abort) ─► prefill round? ──yes──► extend forward ─► merge into running
+                                      │ no
+                                      ▼
+                        decode round: [test retract] decode_step ──fits──► decode forward
+                                                        │ no
+                                                        ▼
+                                retract (memsvc pops victims in our order) ─► re-queue victims,
+                                abort the last one if even it does not fit ─► decode_step again
+
+memsvc does the memory side of each step in one round trip (``decode_step``
+checks and allocates; ``retract`` releases until the step fits); the pure
+core (``scheduler_svc.core``) decides admission, victim order and the
+new-token ratio. Commands from clients are applied only between steps, so a
+step never sees a request vanish under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from memsvc.client import AsyncMemClient
+from memsvc.core.errors import OutOfRowsError
+from model_svc.client import AsyncModelClient
+from scheduler_svc.core import (
+    RETRACT_ABORT_MESSAGE,
+    RETRACT_ABORT_STATUS,
+    AddResult,
+    NewTokenRatioTracker,
+    PrefillAdder,
+    Req,
+    ReqState,
+    SchedulerConfig,
+    retraction_order,
+)
+
+log = logging.getLogger("scheduler_svc")
+
+Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
+
+
+@dataclass
+class EngineStats:
+    forward_passes: int = 0
+    retract_events: int = 0
+    retracted_reqs: int = 0
+    retracted_input_tokens: int = 0
+    retracted_output_tokens: int = 0
+    reprefilled_tokens: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    aborted_reqs: int = 0
+    finished_reqs: int = 0
+    ratio_history: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "ratio_history"}
+
+
+class Engine:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        mem: AsyncMemClient,
+        model: AsyncModelClient,
+        emit: Emit,
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.mem = mem
+        self.model = model
+        self.emit = emit
+        self.eos_token_ids = eos_token_ids
+        self.ratio = NewTokenRatioTracker.from_config(config)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.reqs: dict[str, Req] = {}  # every request not yet finished or aborted
+        self.stats = EngineStats()
+        self._commands: deque[tuple[str, Any]] = deque()
+
+    # -- commands (applied between steps) --------------------------------------
+
+    def submit(self, req: Req) -> None:
+        self._commands.append(("submit", req))
+
+    def abort(self, rid: str) -> bool:
+        """Queue an abort; True if ``rid`` is a live request."""
+        if rid not in self.reqs and not any(
+            kind == "submit" and item.rid == rid for kind, item in self._commands
+        ):
+            return False
+        self._commands.append(("abort", rid))
+        return True
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.chunked or self._commands)
+
+    async def _apply_commands(self) -> None:
+        while self._commands:
+            kind, item = self._commands.popleft()
+            if kind == "submit":
+                self.reqs[item.rid] = item
+                self.waiting.append(item)
+            elif item in self.reqs:
+                await self._abort(self.reqs[item], "Aborted by the client.", 499)
+
+    # -- the loop ----------------------------------------------------------------
+
+    async def step(self) -> bool:
+        """One iteration; False when there was nothing to do."""
+        await self._apply_commands()
+        if await self._prefill_round():
+            return True
+        if self.running:
+            await self._decode_round()
+            return True
+        if not self.waiting and self.chunked is None:
+            self.ratio.reset()
+        return False
+
+    # -- prefill -----------------------------------------------------------------
+
+    async def _prefill_round(self) -> bool:
+        if not self.waiting and self.chunked is None:
+            return False
+        if len(self.running) >= self.config.max_running_requests and self.chunked is None:
+            return False
+        sizes = self.mem.sizes
+        adder = PrefillAdder(
+            self.config,
+            max(sizes.available + sizes.evictable, 0),
+            self.running,
+            self.ratio.current,
+            len(self.running),
+            self.chunked,
+        )
+        batch: list[Req] = []
+        if self.chunked is not None:
+            req = self.chunked
+            decision = adder.add_chunked_req(req)
+            if not await self._alloc(req.rid, decision.extend_len):
+                return False  # its KV stays; the chunk is tried again next round
+            req.continue_prefill(decision.extend_len)
+            batch.append(req)
+            self.chunked = req if adder.new_chunked_req is req else None
+        while self.waiting and adder.num_free_request_slots > 0:
+            req = self.waiting[0]
+            try:
+                row = await self.mem.alloc_row(req.rid)
+            except OutOfRowsError:
+                break
+            fill_ids = req.fill_ids
+            prefix_len = await self.mem.match_prefix(req.rid, fill_ids[:-1])
+            decision = adder.add_one_req(req, prefix_len)
+            if not decision.admitted:
+                await self.mem.free_row(req.rid)
+                break
+            if not await self._alloc(req.rid, decision.extend_len):
+                # The pool moved since the budget was taken: undo this one, stop here.
+                await self.mem.free_row(req.rid)
+                break
+            req.start_prefill(row, prefix_len, decision.extend_len)
+            self.waiting.popleft()
+            batch.append(req)
+            if adder.new_chunked_req is req:
+                self.chunked = req
+            if decision.result is not AddResult.CONTINUE:
+                break
+        if not batch:
+            return False
+        log.debug(
+            "prefill %d reqs (%d tokens); running %d, waiting %d, ratio %.3f, budget %s",
+            len(batch),
+            sum(r.extend_len for r in batch),
+            len(self.running),
+            len(self.waiting),
+            self.ratio.current,
+            adder,
+        )
+        await self._run_extend(batch)
+        return True
+
+    async def _alloc(self, rid: str, num_tokens: int) -> bool:
+        return (await self.mem.alloc_extend([(rid, num_tokens)])).fits
+
+    async def _run_extend(self, batch: list[Req]) -> None:
+        items = [
+            (
+                req.row,
+                req.prefix_len,
+                req.fill_ids[req.prefix_len : req.prefix_len + req.extend_len],
+            )
+            for req in batch
+        ]
+        result = await self.model.extend(
+            items, sampling=[self._sampling(r) for r in batch], pool_epoch=self.mem.epoch
+        )
+        self.stats.forward_passes += 1
+        for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
+            count = req.extend_len
+            self.stats.prefill_tokens += count
+            if req.retracted_stain:
+                self.stats.reprefilled_tokens += count
+            if not req.complete_extend():
+                continue  # a chunk: the token sampled after it is not an output
+            req.append_token(int(token))
+            self.stats.generated_tokens += 1
+            if req.check_finished(self.eos_token_ids):
+                await self._finish(req)
+                continue
+            req.start_decode()
+            # Publish the prompt to the prefix tree (SGLang's cache_unfinished_req):
+            # a retracted request later finds it there and recomputes only its tail.
+            await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
+            self.running.append(req)
+            self.emit(req, False)
+
+    # -- decode ------------------------------------------------------------------
+
+    async def _decode_round(self) -> None:
+        retracted = False
+        if self.config.is_test_retract_step(self.stats.forward_passes) and len(self.running) > 1:
+            await self._retract(kv_full=False)
+            retracted = True
+        while self.running:
+            step = await self.mem.decode_step([r.row for r in self.running])
+            if step.fits:
+                break
+            await self._retract(kv_full=True)
+            retracted = True
+        if not self.running:
+            return
+        if not retracted:
+            self.ratio.decay_step()
+        batch = list(self.running)
+        result = await self.model.decode(
+            [r.row for r in batch],
+            [r.seq_len for r in batch],
+            [r.output_ids[-1] for r in batch],
+            sampling=[self._sampling(r) for r in batch],
+            pool_epoch=self.mem.epoch,
+        )
+        self.stats.forward_passes += 1
+        for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
+            req.append_token(int(token))
+            self.stats.generated_tokens += 1
+            if req.check_finished(self.eos_token_ids):
+                self.running.remove(req)
+                await self._finish(req)
+            else:
+                self.emit(req, False)
+
+    async def _retract(self, *, kv_full: bool) -> None:
+        """Retract from the running batch in victim order (memsvc stops when the step fits)."""
+        order = retraction_order(self.running, self.config)
+        ordered = [self.running[i] for i in order]
+        old_ratio = self.ratio.current
+        sizes_before = self.mem.sizes
+        log.debug(
+            "retract order (keep first): %s",
+            [(r.rid, len(r.output_ids), len(r.origin_input_ids)) for r in ordered],
+        )
+        reply = await self.mem.retract([r.row for r in ordered], mode="recompute")
+        by_rid = {r.rid: r for r in ordered}
+        for rid in reply.retracted:
+            req = by_rid[rid]
+            self.running.remove(req)
+            self.stats.retracted_reqs += 1
+            self.stats.retracted_input_tokens += len(req.origin_input_ids)
+            self.stats.retracted_output_tokens += len(req.output_ids)
+            req.reset_for_retract()
+            self.waiting.append(req)  # the tail: behind everything already queued
+        if reply.last_does_not_fit and self.running:
+            last = self.running[0]
+            log.warning("retract_decode: aborted last request %s due to OOM", last.rid)
+            await self._abort(last, RETRACT_ABORT_MESSAGE, RETRACT_ABORT_STATUS)
+        self.stats.retract_events += 1
+        new_ratio = self.ratio.on_retract(self.running)
+        self.stats.ratio_history.append(new_ratio)
+        gained = self.mem.sizes.available - sizes_before.available
+        head = "KV cache pool is full. Retract requests. " if kv_full else "Testing retraction. "
+        tail = f", #new_token_ratio: {old_ratio:.4f} -> {new_ratio:.4f}" if kv_full else ""
+        log.warning(
+            "%s#retracted_reqs: %d, #new_tokens_gained: %d%s",
+            head,
+            len(reply.retracted),
+            gained,
+            tail,
+        )
+
+    # -- endings -----------------------------------------------------------------
+
+    async def _finish(self, req: Req) -> None:
+        """Cache the finished request's KV in the tree and report the result."""
+        await self.mem.release(req.rid, req.fill_ids[: req.kv_len], is_insert=True)
+        self.stats.finished_reqs += 1
+        self.reqs.pop(req.rid, None)
+        self.emit(req, True)
+
+    async def _abort(self, req: Req, message: str, status_code: int) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        holds_kv = req.row is not None and req.state in (ReqState.PREFILLING, ReqState.RUNNING)
+        req.abort(message, status_code)
+        if holds_kv:
+            await self.mem.free_row(req.rid)
+        self.stats.aborted_reqs += 1
+        self.reqs.pop(req.rid, None)
+        self.emit(req, True)
+
+    def _sampling(self, req: Req) -> dict[str, Any]:
+        params = req.sampling_params
+        return {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": max(params.top_k, 0),
+            "seed": params.seed if params.seed is not None else _seed_from_rid(req.rid),
+        }
+
+
+def _seed_from_rid(rid: str) -> int:
+    """A stable per-request seed for requests that chose none (so equal prompts can differ)."""
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") >> 1

@@ -1,0 +1,68 @@
+"""The generate API of scheduler_svc (over ZMQ, memsvc's framing).
+
+A client sends ``generate`` and gets, on the same ``op_id``, zero or more
+``chunk`` replies (with ``stream``: the new tokens since the last one) and
+then exactly one ``done`` reply with the output and SGLang-shaped
+``meta_info``. ``abort`` ends a request early: its ``done`` carries the
+partial output and an abort ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from memsvc import protocol as wire
+from memsvc.protocol import IntArray, Message
+
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+class GenSampling(BaseModel):
+    """SGLang's ``sampling_params`` subset kvstack honours."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(default=128, ge=0, le=1 << 20)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+
+class Generate(Message):
+    op: Literal["generate"]
+    rid: str = Field(min_length=1, max_length=256)
+    input_ids: IntArray | None = None
+    text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
+    sampling: GenSampling = Field(default_factory=GenSampling)
+    stream: bool = False
+    priority: int | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> Generate:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of input_ids and text")
+        if self.input_ids is not None and not 0 < self.input_ids.size <= MAX_PROMPT_TOKENS:
+            raise ValueError("input_ids must hold 1 or more tokens")
+        return self
+
+
+class Abort(Message):
+    op: Literal["abort"]
+    rid: str = Field(min_length=1, max_length=256)
+
+
+class Info(Message):
+    op: Literal["info"]
+
+
+Request = Annotated[Generate | Abort | Info, Field(discriminator="op")]
+REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
+
+
+def parse_request(frames: list[bytes]) -> Any:
+    return wire.parse_request(frames, REQUEST_ADAPTER)

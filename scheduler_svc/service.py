@@ -1,0 +1,307 @@
+"""The scheduler's asyncio shell: the generate socket, intake, replies, the engine loop.
+
+Three tasks, all kept and cancelled on the way out: ``_intake`` reads client
+requests (validating each one at the edge and answering bad ones at once),
+``_loop`` runs :meth:`Engine.step` while there is work, and ``_send`` writes
+replies in order. Intake applies the SGLang rules that keep a request from
+waiting forever: an input that can never fit the pool is rejected with 400,
+and ``max_new_tokens`` is clamped so that one request alone always fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from memsvc import protocol as wire
+from memsvc.client import PeerDeadError
+from memsvc.core.errors import MemsvcError
+from model_svc.errors import ModelSvcError
+from scheduler_svc import protocol as p
+from scheduler_svc.core import (
+    Req,
+    RequestTooLargeError,
+    SamplingParams,
+    check_fits,
+    clamp_max_new_tokens,
+)
+from scheduler_svc.engine import Engine
+
+log = logging.getLogger("scheduler_svc")
+
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class Waiter:
+    """Where a request's replies go."""
+
+    identity: bytes
+    op_id: int
+    stream: bool
+    started: float
+    sent: int = 0  # output tokens already streamed
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        engine: Engine,
+        listen: str,
+        *,
+        tokenizer: Any,
+        capacity: int,
+        page_size: int,
+        max_context_len: int,
+        vocab_size: int,
+        ready_file: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.listen = listen
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        self.page_size = page_size
+        self.max_context_len = max_context_len
+        self.vocab_size = vocab_size
+        self.ready_file = ready_file
+        self._waiters: dict[str, Waiter] = {}
+        self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        engine.emit = self._emit
+
+    async def run(self) -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task] = []
+        try:
+            sock.bind(self.listen)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._stop.set)
+            tasks = [
+                asyncio.create_task(self._intake(sock), name="scheduler-intake"),
+                asyncio.create_task(self._send(sock), name="scheduler-send"),
+                asyncio.create_task(self._loop(), name="scheduler-loop"),
+            ]
+            self._write_ready_file()
+            print(f"scheduler_svc listening on {self.listen}", flush=True)
+            stop = asyncio.create_task(self._stop.wait())
+            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            for task in done:
+                if task is not stop and task.exception():
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            sock.close(0)
+            ctx.term()
+            if self.listen.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.listen[len("ipc://") :])
+            if self.ready_file:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.ready_file)
+            log.info("scheduler_svc stopped")
+
+    # -- tasks -------------------------------------------------------------------
+
+    async def _intake(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            identity, payload = frames[0], frames[1:]
+            op_id = None
+            try:
+                msg = p.parse_request(payload)
+                op_id = msg.op_id
+                reply = self._accept(identity, msg)
+            except wire.ProtocolError as exc:
+                reply = _error(op_id, exc.code, exc.message, 400)
+            except RequestTooLargeError as exc:
+                reply = _error(op_id, "too_large", str(exc), 400)
+            if reply is not None:
+                self._outbox.put_nowait([identity, *reply])
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                did = await self.engine.step()
+            except (MemsvcError, ModelSvcError, PeerDeadError) as exc:
+                log.exception("scheduling step failed")
+                await self._fail_everything(f"{type(exc).__name__}: {exc}")
+                did = False
+            if not did:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
+
+    async def _send(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            await sock.send_multipart(await self._outbox.get())
+
+    # -- intake ------------------------------------------------------------------
+
+    def _accept(self, identity: bytes, msg: Any) -> list[bytes] | None:
+        if msg.op == "info":
+            return wire.pack({"ok": True, "op_id": msg.op_id, **self.info()})
+        if msg.op == "abort":
+            found = self.engine.abort(msg.rid)
+            return wire.pack({"ok": True, "op_id": msg.op_id, "found": found})
+        if msg.rid in self._waiters:
+            return _error(
+                msg.op_id, "duplicate_rid", f"request {msg.rid!r} is already running", 400
+            )
+        if msg.input_ids is not None:
+            input_ids = msg.input_ids.tolist()
+        else:
+            input_ids = self.tokenizer.encode(msg.text)
+        if any(not 0 <= t < self.vocab_size for t in input_ids):
+            return _error(
+                msg.op_id, "bad_request", f"token ids must be in 0..{self.vocab_size - 1}", 400
+            )
+        if len(input_ids) >= self.max_context_len:
+            return _error(
+                msg.op_id,
+                "too_large",
+                f"input of {len(input_ids)} tokens reaches max_context_len {self.max_context_len}",
+                400,
+            )
+        check_fits(len(input_ids), self.capacity, self.page_size)
+        sampling = msg.sampling
+        max_new = clamp_max_new_tokens(
+            len(input_ids), sampling.max_new_tokens, self.capacity, self.page_size
+        )
+        max_new = min(max_new, self.max_context_len - len(input_ids) - 1)
+        req = Req(
+            msg.rid,
+            input_ids,
+            SamplingParams(
+                max_new_tokens=max_new,
+                ignore_eos=sampling.ignore_eos,
+                stop_token_ids=frozenset(sampling.stop_token_ids),
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k or -1,
+                seed=sampling.seed or None,
+            ),
+            priority=msg.priority,
+        )
+        self._waiters[msg.rid] = Waiter(identity, msg.op_id, msg.stream, time.monotonic())
+        if max_new == 0:  # nothing to generate: done at once
+            self._waiters.pop(msg.rid)
+            return wire.pack(
+                {
+                    "ok": True,
+                    "op_id": msg.op_id,
+                    "type": "done",
+                    "rid": msg.rid,
+                    "output_ids": [],
+                    "text": "",
+                    "meta_info": _meta(req, 0.0),
+                }
+            )
+        self.engine.submit(req)
+        return None
+
+    # -- replies -----------------------------------------------------------------
+
+    def _emit(self, req: Req, finished: bool) -> None:
+        waiter = self._waiters.get(req.rid)
+        if waiter is None:
+            return
+        if not finished:
+            if waiter.stream and len(req.output_ids) > waiter.sent:
+                header = {
+                    "ok": True,
+                    "op_id": waiter.op_id,
+                    "type": "chunk",
+                    "rid": req.rid,
+                    "token_ids": req.output_ids[waiter.sent :],
+                    "offset": waiter.sent,
+                }
+                waiter.sent = len(req.output_ids)
+                self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
+            return
+        del self._waiters[req.rid]
+        header = {
+            "ok": True,
+            "op_id": waiter.op_id,
+            "type": "done",
+            "rid": req.rid,
+            "output_ids": list(req.output_ids),
+            "text": self.tokenizer.decode(req.output_ids),
+            "meta_info": _meta(req, time.monotonic() - waiter.started),
+        }
+        self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
+
+    async def _fail_everything(self, why: str) -> None:
+        """A peer failed mid-step: end every live request with an explicit error."""
+        for req in list(self.engine.reqs.values()):
+            if not req.is_finished:
+                req.abort(f"scheduler could not continue: {why}", 503)
+            self.engine.reqs.pop(req.rid, None)
+            self._emit(req, True)
+        self.engine.waiting.clear()
+        self.engine.running.clear()
+        self.engine.chunked = None
+
+    def info(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "capacity": self.capacity,
+            "page_size": self.page_size,
+            "max_context_len": self.max_context_len,
+            "retraction_policy": engine.config.retraction_policy,
+            "schedule_conservativeness": engine.config.schedule_conservativeness,
+            "mode": "normal",
+            "new_token_ratio": engine.ratio.current,
+            "num_running": len(engine.running),
+            "num_waiting": len(engine.waiting),
+            "stats": engine.stats.as_dict(),
+        }
+
+    def _write_ready_file(self) -> None:
+        if not self.ready_file:
+            return
+        tmp = f"{self.ready_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"address": self.listen, "pid": os.getpid()}, f)
+        os.replace(tmp, self.ready_file)
+
+
+def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
+    reason = req.finish_reason.to_json() if req.finish_reason else None
+    return {
+        "finish_reason": reason,
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "num_retractions": req.retraction_count,
+        "e2e_latency": e2e_latency,
+    }
+
+
+def _error(op_id: int | None, code: str, message: str, status_code: int) -> list[bytes]:
+    return wire.pack(
+        {"ok": False, "op_id": op_id, "code": code, "message": message, "status_code": status_code}
+    )

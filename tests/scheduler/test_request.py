@@ -1,0 +1,276 @@
+"""Req: the checked state machine, retract reset, finish checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.core import (
+    FinishAbort,
+    FinishLength,
+    FinishMatchedToken,
+    IllegalTransitionError,
+    Req,
+    ReqState,
+    SamplingParams,
+    decode_tokens_required,
+)
+from scheduler_svc.core.request import TRANSITIONS
+from tests.scheduler.helpers import make_req, running_req
+
+
+def test_whole_prefill_then_decode():
+    req = make_req(input_len=10, max_new_tokens=5)
+    assert req.state is ReqState.WAITING
+    req.start_prefill(row=3, prefix_len=4, extend_len=6)
+    assert (req.state, req.row, req.prefix_len, req.extend_len, req.kv_len) == (
+        ReqState.PREFILLING,
+        3,
+        4,
+        6,
+        4,
+    )
+    assert req.is_chunked is False
+    assert req.cached_tokens == 4
+    assert req.first_scheduled_time is not None
+    assert req.complete_extend() is True
+    assert req.kv_len == 10
+    req.append_token(7)
+    assert req.output_ids == [7]
+    assert req.kv_len == 10  # the new token's KV is written by the first decode step
+    assert req.check_finished() is False
+    req.start_decode()
+    assert req.state is ReqState.RUNNING
+    assert decode_tokens_required([req.kv_len], page_size=5) == 5
+    req.append_token(8)
+    assert (req.kv_len, req.output_ids, req.fill_ids[-2:]) == (11, [7, 8], [7, 8])
+    assert req.first_token_time is not None
+
+
+def test_chunked_prefill_bookkeeping():
+    req = make_req(input_len=20)
+    req.start_prefill(row=1, prefix_len=0, extend_len=8)
+    assert req.is_chunked is True
+    with pytest.raises(IllegalTransitionError, match="not completed"):
+        req.continue_prefill(8)
+    assert req.complete_extend() is False
+    assert req.kv_len == 8
+    with pytest.raises(IllegalTransitionError):
+        req.append_token(1)  # no token is sampled mid-prefill
+    with pytest.raises(IllegalTransitionError):
+        req.start_decode()
+    req.continue_prefill(8)
+    assert (req.prefix_len, req.extend_len, req.kv_len) == (8, 8, 8)
+    assert req.complete_extend() is False
+    req.continue_prefill(4)
+    assert req.is_chunked is False
+    assert req.complete_extend() is True
+    assert req.kv_len == 20
+    assert req.cached_tokens == 0  # earlier chunks are not cache hits
+    with pytest.raises(IllegalTransitionError, match="no chunk in progress"):
+        req.continue_prefill(1)
+    req.append_token(5)
+    req.start_decode()
+    assert req.state is ReqState.RUNNING
+
+
+def test_chunk_past_the_end_is_refused():
+    req = make_req(input_len=10)
+    with pytest.raises(IllegalTransitionError, match="outside fill_ids"):
+        req.start_prefill(row=1, prefix_len=4, extend_len=7)
+    assert req.state is ReqState.WAITING
+
+
+@pytest.mark.parametrize(
+    ("setup", "action"),
+    [
+        ("waiting", lambda r: r.start_decode()),
+        ("waiting", lambda r: r.reset_for_retract()),
+        ("waiting", lambda r: r.append_token(1)),
+        ("waiting", lambda r: r.complete_extend()),
+        ("waiting", lambda r: r.resume(row=2)),
+        ("running", lambda r: r.start_prefill(row=1, prefix_len=0, extend_len=1)),
+        ("running", lambda r: r.start_decode()),
+        ("retracted", lambda r: r.reset_for_retract()),
+        ("retracted", lambda r: r.append_token(1)),
+        ("finished", lambda r: r.abort("late", 500)),
+        ("finished", lambda r: r.start_prefill(row=1, prefix_len=0, extend_len=1)),
+        ("aborted", lambda r: r.abort("again", 500)),
+        ("aborted", lambda r: r.start_prefill(row=1, prefix_len=0, extend_len=1)),
+        ("aborted", lambda r: r.reset_for_retract()),
+    ],
+)
+def test_illegal_transitions_raise_and_change_nothing(setup, action):
+    req = {
+        "waiting": lambda: make_req(),
+        "running": lambda: running_req("r", 8, 2, 10),
+        "retracted": lambda: _retracted(),
+        "finished": lambda: _finished(),
+        "aborted": lambda: _aborted(),
+    }[setup]()
+    before = (req.state, list(req.output_ids), req.kv_len, req.row, req.finish_reason)
+    with pytest.raises(IllegalTransitionError):
+        action(req)
+    assert (req.state, req.output_ids, req.kv_len, req.row, req.finish_reason) == before
+
+
+def _retracted() -> Req:
+    req = running_req("r", 8, 2, 10)
+    req.reset_for_retract()
+    return req
+
+
+def _finished() -> Req:
+    req = running_req("r", 8, 1, 2)
+    req.append_token(5)
+    assert req.check_finished()
+    return req
+
+
+def _aborted() -> Req:
+    req = make_req()
+    req.abort("gone", 503)
+    return req
+
+
+def test_transition_table():
+    S = ReqState
+    expected = {
+        S.WAITING: {S.PREFILLING, S.ABORTED},
+        S.PREFILLING: {S.PREFILLING, S.RUNNING, S.RETRACTED, S.FINISHED, S.ABORTED},
+        S.RUNNING: {S.RETRACTED, S.FINISHED, S.ABORTED},
+        S.RETRACTED: {S.PREFILLING, S.RUNNING, S.ABORTED},
+        S.FINISHED: set(),
+        S.ABORTED: set(),
+    }
+    assert dict(TRANSITIONS) == expected
+    assert [s for s in S if s >= S.FINISHED] == [S.FINISHED, S.ABORTED]
+
+
+def test_reset_for_retract_fields():
+    req = make_req("r", input_len=8, max_new_tokens=50)
+    req.start_prefill(row=4, prefix_len=4, extend_len=4)
+    req.complete_extend()
+    req.append_token(100)
+    req.start_decode()
+    req.append_token(101)
+    req.append_token(102)
+    queued_at = req.queue_entry_time
+    req.reset_for_retract()
+    assert req.state is ReqState.RETRACTED and req.is_retracted
+    assert req.row is None
+    assert (req.prefix_len, req.extend_len, req.kv_len, req.already_computed) == (0, 0, 0, 0)
+    assert (req.is_chunked, req.extend_in_flight) == (False, False)
+    assert req.retraction_count == 1
+    assert req.retracted_stain is True
+    assert req.output_ids == [100, 101, 102]  # kept: never re-streamed
+    assert req.fill_ids == [*range(1, 9), 100, 101, 102]
+    assert req.cached_tokens == 4
+    assert req.retract_time is not None and req.queue_entry_time >= queued_at
+    assert req.finish_reason is None
+
+    # Re-prefill of origin + output: the hit is not counted again.
+    req.start_prefill(row=2, prefix_len=8, extend_len=3)
+    assert req.cached_tokens == 4
+    assert req.is_retracted is False
+    assert req.complete_extend() is True
+    req.append_token(103)
+    req.start_decode()
+    assert req.kv_len == 11
+    req.reset_for_retract()
+    assert req.retraction_count == 2
+    assert req.output_ids == [100, 101, 102, 103]
+
+
+def test_retract_mid_chunk_for_pause():
+    req = make_req(input_len=20)
+    req.start_prefill(row=1, prefix_len=0, extend_len=8)
+    req.complete_extend()
+    req.reset_for_retract()
+    assert (req.state, req.is_chunked, req.kv_len) == (ReqState.RETRACTED, False, 0)
+
+
+def test_resume_after_pd_retract():
+    req = running_req("r", input_len=8, output_len=3, max_new_tokens=10)
+    req.reset_for_retract()
+    req.resume(row=9)
+    assert (req.state, req.row, req.kv_len) == (ReqState.RUNNING, 9, 10)
+    req.append_token(7)
+    assert req.kv_len == 11
+
+
+def test_check_finished_on_length():
+    req = running_req("r", input_len=4, output_len=2, max_new_tokens=3)
+    assert req.check_finished() is False
+    req.append_token(55)
+    assert req.check_finished(eos_token_ids={55}) is True  # length wins over the EOS match
+    assert req.state is ReqState.FINISHED
+    assert req.finish_reason == FinishLength(3)
+    assert req.finish_reason.to_json() == {"type": "length", "length": 3}
+    assert req.finish_time is not None
+    assert req.check_finished() is True  # idempotent once finished
+
+
+def test_check_finished_on_stop_token_and_eos():
+    req = running_req("r", 4, 1, 100, stop_token_ids=frozenset({9}))
+    req.append_token(8)
+    assert req.check_finished(eos_token_ids={2}) is False
+    req.append_token(9)
+    assert req.check_finished(eos_token_ids={2}) is True
+    assert req.finish_reason.to_json() == {"type": "stop", "matched": 9}
+
+    req = running_req("e", 4, 1, 100)
+    req.append_token(2)
+    assert req.check_finished(eos_token_ids={2}) is True
+    assert req.finish_reason == FinishMatchedToken(2)
+
+
+def test_ignore_eos_ignores_stop_tokens_but_not_length():
+    req = running_req("r", 4, 1, 3, ignore_eos=True, stop_token_ids=frozenset({9}))
+    req.append_token(9)
+    assert req.check_finished(eos_token_ids={9}) is False
+    req.append_token(2)
+    assert req.check_finished(eos_token_ids={2}) is True
+    assert req.finish_reason == FinishLength(3)
+
+
+def test_first_token_can_finish_a_prefill():
+    req = make_req(input_len=4, max_new_tokens=1)
+    req.start_prefill(row=1, prefix_len=0, extend_len=4)
+    req.complete_extend()
+    req.append_token(3)
+    assert req.check_finished() is True
+    assert req.state is ReqState.FINISHED
+    with pytest.raises(IllegalTransitionError):
+        req.start_decode()
+
+
+def test_check_finished_needs_a_token():
+    with pytest.raises(IllegalTransitionError):
+        make_req().check_finished()
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "retracted"])
+def test_abort(state):
+    req = {
+        "waiting": make_req,
+        "running": lambda: running_req("r", 8, 2, 10),
+        "retracted": _retracted,
+    }[state]()
+    row = req.row
+    req.abort("Request waiting timeout reached.", 503)
+    assert req.state is ReqState.ABORTED and req.is_finished
+    assert req.row == row  # kept for the service to release
+    assert req.finish_reason == FinishAbort("Request waiting timeout reached.", 503)
+    assert req.finish_reason.to_json() == {
+        "type": "abort",
+        "message": "Request waiting timeout reached.",
+        "status_code": 503,
+    }
+
+
+def test_request_validation():
+    with pytest.raises(ValueError, match="empty prompt"):
+        Req(rid="x", origin_input_ids=[])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=-1)
+    assert SamplingParams(stop_token_ids=[1, 2, 2]).stop_token_ids == frozenset({1, 2})

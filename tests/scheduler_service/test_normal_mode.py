@@ -1,0 +1,183 @@
+"""Normal-mode retract, end to end: memsvc + model_svc + scheduler_svc as real processes.
+
+Correctness is judged by tokens: greedy outputs under memory pressure (with
+retracts) must equal the outputs of a pool large enough that nothing is
+retracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from memsvc import protocol as wire
+from memsvc import rpc
+from memsvc.client import MemClient
+from model_svc.tiny import write_tiny_checkpoint
+from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
+from tests.procs import start_stack
+
+PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
+BIG_POOL = [*PAGE, "--num-pages", "2048", "--max-running-requests", "32"]
+SMALL_POOL = [*PAGE, "--num-pages", "64", "--max-running-requests", "32"]  # 256 tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def workload(seed: int, count: int, long_len: int = 0) -> list[tuple[str, list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    if long_len:  # admitted first; the short ones squeeze in beside it
+        reqs.append(("long", [rng.randrange(256) for _ in range(long_len)], 40))
+    for i in range(count):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(4, 24))]
+        reqs.append((f"r{i}", prompt, rng.randint(8, 40)))
+    return reqs
+
+
+def run_all(address: str, reqs) -> dict[str, object]:
+    """Submit everything at once and collect every result."""
+
+    async def go() -> dict[str, object]:
+        async with AsyncGenerateClient(address, timeout_s=120) as client:
+            results = await asyncio.gather(
+                *(
+                    client.generate(prompt, rid=rid, sampling={"max_new_tokens": n})
+                    for rid, prompt, n in reqs
+                )
+            )
+        return {r.rid: r for r in results}
+
+    return asyncio.run(go())
+
+
+def finish_ids(results) -> dict[str, list[int]]:
+    return {rid: r.output_ids for rid, r in results.items()}
+
+
+def assert_idle(stack) -> None:
+    with MemClient(stack.memsvc.address) as mem:
+        mem.check(idle=True)
+
+
+def test_article_scenario_retract_is_transparent(service_factory, checkpoint) -> None:
+    """A pool of 256 tokens; one request of ~0.85 of it plus shorter ones."""
+    reqs = workload(seed=1, count=6, long_len=200)
+    reference = start_stack(service_factory, checkpoint, BIG_POOL, name="-ref")
+    want = run_all(reference.scheduler.address, reqs)
+    # A low conservativeness admits on optimistic output estimates: memory runs out mid-decode.
+    pressure = start_stack(
+        service_factory,
+        checkpoint,
+        SMALL_POOL,
+        name="-small",
+        scheduler=["--schedule-conservativeness", "0.3"],
+    )
+    got = run_all(pressure.scheduler.address, reqs)
+    assert finish_ids(got) == finish_ids(want)
+    assert [r.finish_reason for r in got.values()] == [r.finish_reason for r in want.values()]
+    retractions = sum(r.meta_info["num_retractions"] for r in got.values())
+    assert retractions > 0, "the small pool should have forced retracts"
+    assert sum(r.meta_info["num_retractions"] for r in want.values()) == 0
+    with GenerateClient(pressure.scheduler.address) as client:
+        stats = client.info()["stats"]
+    assert stats["retracted_reqs"] == retractions and stats["reprefilled_tokens"] > 0
+    assert_idle(reference)
+    assert_idle(pressure)
+
+
+def test_churn_under_test_retract(service_factory, checkpoint) -> None:
+    reqs = workload(seed=2, count=16)
+    reference = start_stack(service_factory, checkpoint, BIG_POOL, name="-ref")
+    want = run_all(reference.scheduler.address, reqs)
+    churn = start_stack(
+        service_factory,
+        checkpoint,
+        BIG_POOL,
+        name="-churn",
+        env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"},
+    )
+    got = run_all(churn.scheduler.address, reqs)
+    assert finish_ids(got) == finish_ids(want)
+    assert sum(r.meta_info["num_retractions"] for r in got.values()) > 0
+    for rid, result in got.items():
+        # cached_tokens counts first-attempt hits only: never more than the prompt
+        assert result.meta_info["cached_tokens"] <= len(dict((r, p) for r, p, _ in reqs)[rid])
+    assert_idle(churn)
+
+
+def test_too_big_input_is_rejected_at_once(service_factory, checkpoint) -> None:
+    stack = start_stack(service_factory, checkpoint, SMALL_POOL)
+    with GenerateClient(stack.scheduler.address, timeout_s=10) as client:
+        with pytest.raises(GenerateError) as info:
+            client.generate([1] * 300, sampling={"max_new_tokens": 4})
+        assert info.value.status_code == 400
+        assert "input_len=300" in str(info.value) and "capacity=256" in str(info.value)
+        # and the scheduler keeps serving
+        result = client.generate([1, 2, 3], sampling={"max_new_tokens": 3, "ignore_eos": True})
+        assert len(result.output_ids) == 3
+    assert_idle(stack)
+
+
+def test_bad_input_gets_a_clear_error(service_factory, checkpoint) -> None:
+    stack = start_stack(service_factory, checkpoint, SMALL_POOL)
+    ctx = zmq.Context()
+    sock = rpc.dealer(ctx, stack.scheduler.address)
+    try:
+        cases = [
+            ([b"\xc1"], "malformed"),
+            (
+                wire.pack({"op": "generate", "op_id": 1, "rid": "a", "input_ids": [1, 2]}),
+                "bad_request",
+            ),  # a list, not an array frame
+            (
+                wire.pack(
+                    {"op": "generate", "op_id": 2, "rid": "a", "sampling": {"max_new_tokens": -1}},
+                    {"input_ids": np.array([1])},
+                ),
+                "bad_request",
+            ),
+            (
+                wire.pack(
+                    {"op": "generate", "op_id": 3, "rid": "a", "sampling": {"temperature": "hot"}},
+                    {"input_ids": np.array([1])},
+                ),
+                "bad_request",
+            ),
+            (
+                wire.pack(
+                    {"op": "generate", "op_id": 4, "rid": "a", "evil": 1},
+                    {"input_ids": np.array([1])},
+                ),
+                "bad_request",
+            ),
+            (
+                wire.pack(
+                    {"op": "generate", "op_id": 5, "rid": "a"}, {"input_ids": np.array([1, 99999])}
+                ),
+                "bad_request",
+            ),
+            (wire.pack({"op": "launch", "op_id": 6}), "unknown_op"),
+        ]
+        for frames, code in cases:
+            sock.send_multipart(frames)
+            assert sock.poll(10_000), "no reply"
+            reply = wire.unpack(sock.recv_multipart())
+            assert reply["ok"] is False and reply["code"] == code, reply
+            assert reply["status_code"] == 400 and reply["message"]
+    finally:
+        sock.close(0)
+        ctx.term()
+    with GenerateClient(stack.scheduler.address, timeout_s=10) as client:
+        text = client.generate(text="hi", sampling={"max_new_tokens": 2, "ignore_eos": True})
+        assert text.meta_info["prompt_tokens"] == 3  # bos + 2 bytes
+        assert len(text.output_ids) == 2
+    assert_idle(stack)
