@@ -94,7 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the byte-level tokenizer)",
     )
     parser.add_argument(
-        "--ready-file", default=None, help="write {address, pid} as JSON here once serving"
+        "--ready-file",
+        default=None,
+        help="write {address, pid, metrics_port} as JSON here once serving",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
     )
     parser.add_argument(
         "--log-level",
@@ -112,6 +120,8 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
     from scheduler_svc.service import SchedulerService
 
     mem = await AsyncMemClient.connect(args.memsvc, role="scheduler", name="scheduler_svc")
+    metrics_server = None
+    metrics_port = None
     model = AsyncModelClient(args.worker)
     try:
         layout = mem.layout
@@ -139,7 +149,17 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             model,
             lambda req, finished: None,
             eos_token_ids=model_config.eos_token_ids,
+            capacity=mem.hello_info["capacity"],
         )
+        if args.metrics_port is not None:
+            from prometheus_client import CollectorRegistry, start_http_server
+
+            from scheduler_svc.metrics import register
+
+            registry = CollectorRegistry()
+            register(registry, engine)
+            metrics_server, _ = start_http_server(args.metrics_port, "127.0.0.1", registry)
+            metrics_port = metrics_server.server_port
         service = SchedulerService(
             engine,
             listen,
@@ -149,10 +169,13 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             max_context_len=layout.max_context_len,
             vocab_size=model_config.vocab_size,
             ready_file=args.ready_file,
+            ready_info={"metrics_port": metrics_port},
         )
         await service.run()
         return 0
     finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
         await model.close()
         await mem.close()
 

@@ -59,6 +59,7 @@ class EngineStats:
     generated_tokens: int = 0
     aborted_reqs: int = 0
     finished_reqs: int = 0
+    last_retracted_reqs: int = 0  # the num_retracted_reqs gauge
     ratio_history: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -74,8 +75,10 @@ class Engine:
         emit: Emit,
         *,
         eos_token_ids: tuple[int, ...] = (),
+        capacity: int = 0,
     ) -> None:
         self.config = config
+        self.capacity = capacity
         self.mem = mem
         self.model = model
         self.emit = emit
@@ -286,6 +289,7 @@ class Engine:
             log.warning("retract_decode: aborted last request %s due to OOM", last.rid)
             await self._abort(last, RETRACT_ABORT_MESSAGE, RETRACT_ABORT_STATUS)
         self.stats.retract_events += 1
+        self.stats.last_retracted_reqs = len(reply.retracted)
         new_ratio = self.ratio.on_retract(self.running)
         self.stats.ratio_history.append(new_ratio)
         gained = self.mem.sizes.available - sizes_before.available

@@ -65,8 +65,10 @@ class SchedulerService:
         max_context_len: int,
         vocab_size: int,
         ready_file: str | None = None,
+        ready_info: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.ready_info = ready_info or {}
         self.listen = listen
         self.tokenizer = tokenizer
         self.capacity = capacity
@@ -285,7 +287,7 @@ class SchedulerService:
             return
         tmp = f"{self.ready_file}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"address": self.listen, "pid": os.getpid()}, f)
+            json.dump({"address": self.listen, "pid": os.getpid(), **self.ready_info}, f)
         os.replace(tmp, self.ready_file)
 
 

@@ -8,7 +8,11 @@ retracted.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +24,7 @@ from memsvc import rpc
 from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
-from tests.procs import start_stack
+from tests.procs import REPO, start_stack
 
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
 BIG_POOL = [*PAGE, "--num-pages", "2048", "--max-running-requests", "32"]
@@ -180,4 +184,55 @@ def test_bad_input_gets_a_clear_error(service_factory, checkpoint) -> None:
         text = client.generate(text="hi", sampling={"max_new_tokens": 2, "ignore_eos": True})
         assert text.meta_info["prompt_tokens"] == 3  # bos + 2 bytes
         assert len(text.output_ids) == 2
+    assert_idle(stack)
+
+
+def test_priority_policy_needs_priority_scheduling(memsvc_factory) -> None:
+    svc = memsvc_factory()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc",
+            "--memsvc",
+            svc.address,
+            "--worker",
+            "ipc:///nonexistent",
+            "--retraction-policy",
+            "priority",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "enable_priority_scheduling" in out.stderr or "priority" in out.stderr
+
+
+def test_metrics_after_retracts(service_factory, checkpoint) -> None:
+    stack = start_stack(
+        service_factory,
+        checkpoint,
+        BIG_POOL,
+        name="-m",
+        scheduler=["--metrics-port", "0"],
+        env={"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "2"},
+    )
+    got = run_all(stack.scheduler.address, workload(seed=3, count=4))
+    retracted = sum(r.meta_info["num_retractions"] for r in got.values())
+    port = stack.scheduler.metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f"kvstack_retracted_reqs_total {float(retracted)}" in text
+    for name in (
+        "kvstack_num_retracted_reqs",
+        "kvstack_new_token_ratio",
+        "kvstack_num_running_reqs",
+        "kvstack_num_queue_reqs",
+        'kvstack_kv_tokens{state="used"}',
+        "kvstack_token_usage",
+    ):
+        assert name in text, name
     assert_idle(stack)

@@ -1,0 +1,181 @@
+"""The scheduling loop with a real memsvc core (in process) and a deterministic fake model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from memsvc.core import KVPool
+from memsvc.handlers import MemService, ServiceConfig
+from scheduler_svc.core import (
+    RETRACT_ABORT_MESSAGE,
+    Req,
+    ReqState,
+    SamplingParams,
+    SchedulerConfig,
+)
+from scheduler_svc.engine import Engine
+from tests.helpers import small_layout
+from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
+
+PAGE = 4
+
+
+@pytest.fixture
+def service() -> Iterator[MemService]:
+    layout = small_layout(
+        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
+    )
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    try:
+        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
+    finally:
+        pool.close()
+
+
+class Harness:
+    def __init__(self, service: MemService, **config) -> None:
+        self.service = service
+        self.config = SchedulerConfig(page_size=PAGE, max_running_requests=16, **config)
+        self.done: dict[str, Req] = {}
+        self.emitted: dict[str, int] = {}
+
+    async def start(self) -> Harness:
+        self.mem = await InProcessMem.connect(self.service)
+        self.model = FakeModel(self.service.pool.table.array)
+        self.engine = Engine(
+            self.config, self.mem, self.model, self._emit, capacity=self.service.pool.capacity
+        )
+        return self
+
+    def _emit(self, req: Req, finished: bool) -> None:
+        self.emitted[req.rid] = self.emitted.get(req.rid, 0) + 1
+        if finished:
+            self.done[req.rid] = req
+
+    def submit(self, rid: str, prompt: list[int], max_new: int) -> Req:
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+        self.engine.submit(req)
+        return req
+
+    async def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not await self.engine.step() and self.engine.idle:
+                return
+        raise AssertionError("the engine did not go idle")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_every_request_finishes_with_the_right_tokens_under_churn(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service, test_retract=True, test_retract_interval=2).start()
+        prompts = {f"r{i}": [i + 1] * (3 + 2 * i) for i in range(6)}
+        for rid, prompt in prompts.items():
+            h.submit(rid, prompt, 12)
+        await h.run()
+        assert h.engine.stats.retracted_reqs > 0
+        for rid, prompt in prompts.items():
+            req = h.done[rid]
+            assert req.output_ids == expected_output(prompt, 12), rid
+            assert req.finish_reason.to_json() == {"type": "length", "length": 12}
+        assert sum(r.retraction_count for r in h.done.values()) == h.engine.stats.retracted_reqs
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_abort_while_waiting_after_a_retract_returns_partial_output(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service, test_retract=True, test_retract_interval=1).start()
+        h.submit("keep", [1, 2, 3, 4, 5, 6, 7, 8], 30)
+        victim = h.submit("victim", [9] * 20, 30)  # longest input: retracted first
+        for _ in range(200):
+            await h.engine.step()
+            if victim.state is ReqState.RETRACTED:
+                break
+        assert victim.state is ReqState.RETRACTED and victim.output_ids
+        partial = list(victim.output_ids)
+        assert h.engine.abort("victim")
+        await h.engine.step()
+        assert h.done["victim"].output_ids == partial
+        assert h.done["victim"].finish_reason.to_json()["type"] == "abort"
+        assert not h.engine.abort("victim")  # gone
+        await h.run()
+        assert h.done["keep"].output_ids == expected_output([1, 2, 3, 4, 5, 6, 7, 8], 30)
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_last_request_is_aborted_with_500_when_even_it_cannot_continue(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service).start()
+        long = h.submit("long", [3] * 8, 100)
+        other = h.submit("other", [4] * 40, 60)
+        for _ in range(3):  # both admitted (one round) and decoding
+            await h.engine.step()
+        assert long.state is ReqState.RUNNING and other.state is ReqState.RUNNING
+        # Another session takes every free page: the batch cannot grow any more.
+        hog = await InProcessMem.connect(service, name="hog")
+        await hog.alloc_row("hog")
+        assert (await hog.alloc_extend([("hog", hog.sizes.available)])).fits
+        for _ in range(500):
+            await h.engine.step()
+            if "long" in h.done:
+                break
+        # "other" (equal outputs, longest prompt) was retracted first; "long" then ran
+        # out of room alone and was aborted, with its partial output
+        assert h.done["long"].finish_reason.to_json() == {
+            "type": "abort",
+            "message": RETRACT_ABORT_MESSAGE,
+            "status_code": 500,
+        }
+        assert 0 < len(h.done["long"].output_ids) < 100
+        assert other.retraction_count >= 1 and "other" not in h.done
+        await hog.free_row("hog")
+        await h.run()
+        # the retracted one finishes normally, with the tokens it would have had anyway
+        assert h.done["other"].output_ids == expected_output([4] * 40, 60)
+        h.submit("after", [5, 6, 7], 5)  # the scheduler keeps serving
+        await h.run()
+        assert h.done["after"].output_ids == expected_output([5, 6, 7], 5)
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_chunked_prefill_computes_in_chunks_and_matches(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service, chunked_prefill_size=8).start()
+        prompt = list(range(1, 31))  # 30 tokens: chunks of 8, 8, 8, 6
+        h.submit("chunky", prompt, 6)
+        h.submit("small", [7, 7], 6)
+        await h.run()
+        assert h.done["chunky"].output_ids == expected_output(prompt, 6)
+        assert h.done["small"].output_ids == expected_output([7, 7], 6)
+        assert h.model.calls.count("extend") >= 4
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_ratio_decays_on_clean_steps_and_is_set_after_a_retract(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service).start()
+        h.submit("a", [1, 2, 3], 20)
+        await h.run()
+        # idle resets it to init
+        assert h.engine.ratio.current == pytest.approx(h.engine.ratio.init_ratio)
+        h2 = await Harness(service, test_retract=True, test_retract_interval=3).start()
+        h2.submit("x", [1] * 5, 10)
+        h2.submit("y", [2] * 9, 10)
+        await h2.run()
+        assert h2.engine.stats.ratio_history, "a retract must set the ratio"
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
