@@ -24,6 +24,7 @@ from memsvc import rpc
 from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
+from scheduler_svc.core import RETRACT_ABORT_MESSAGE
 from tests.procs import REPO, start_stack
 
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
@@ -99,7 +100,7 @@ def test_article_scenario_retract_is_transparent(service_factory, checkpoint) ->
 
 
 def test_churn_under_test_retract(service_factory, checkpoint) -> None:
-    reqs = workload(seed=2, count=16)
+    reqs = workload(seed=2, count=32)
     reference = start_stack(service_factory, checkpoint, BIG_POOL, name="-ref")
     want = run_all(reference.scheduler.address, reqs)
     churn = start_stack(
@@ -235,4 +236,54 @@ def test_metrics_after_retracts(service_factory, checkpoint) -> None:
         "kvstack_token_usage",
     ):
         assert name in text, name
+    assert_idle(stack)
+
+
+MEDIUM_POOL = [*PAGE, "--num-pages", "128", "--max-running-requests", "32"]  # 512 tokens
+
+
+def test_last_request_abort_and_abort_of_a_retracted_request(service_factory, checkpoint):
+    """Another memsvc session takes every free page while two requests decode: the one
+    with the longer prompt is retracted, the last one still cannot grow and is aborted
+    with the 500 message; the retracted one, aborted by its client while it waits,
+    returns its partial output; the scheduler then keeps serving."""
+    stack = start_stack(service_factory, checkpoint, MEDIUM_POOL)
+
+    async def scenario() -> None:
+        async with AsyncGenerateClient(stack.scheduler.address, timeout_s=60) as client:
+            last = asyncio.create_task(
+                client.generate([3] * 8, rid="last", sampling={"max_new_tokens": 200})
+            )
+            victim = asyncio.create_task(
+                client.generate([4] * 40, rid="victim", sampling={"max_new_tokens": 100})
+            )
+            for _ in range(500):
+                if (await client.info())["num_running"] == 2:
+                    break
+                await asyncio.sleep(0.005)
+            with MemClient(stack.memsvc.address) as hog:
+                hog.alloc_row("hog")
+                while not hog.alloc_extend([("hog", hog.stats()["available"])]).fits:
+                    pass
+                done_last = await last
+                assert done_last.finish_reason == {
+                    "type": "abort",
+                    "message": RETRACT_ABORT_MESSAGE,
+                    "status_code": 500,
+                }
+                assert 0 < len(done_last.output_ids) < 200
+                info = await client.info()
+                assert info["num_waiting"] == 1 and info["stats"]["retracted_reqs"] >= 1
+                assert await client.abort("victim")
+                done_victim = await victim
+                assert done_victim.finish_reason["type"] == "abort"
+                assert 0 < len(done_victim.output_ids) < 100  # what it had generated
+                assert done_victim.meta_info["num_retractions"] >= 1
+            # the hog said goodbye: its pages are back, and the scheduler keeps serving
+            after = await client.generate(
+                [5, 6, 7], sampling={"max_new_tokens": 5, "ignore_eos": True}
+            )
+            assert len(after.output_ids) == 5
+
+    asyncio.run(scenario())
     assert_idle(stack)
