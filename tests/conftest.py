@@ -11,7 +11,7 @@ import pytest
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from tests.helpers import small_layout
-from tests.procs import memsvc, memsvc_factory, service_factory  # noqa: F401  (fixtures)
+from tests.procs import launcher, memsvc, memsvc_factory, service_factory  # noqa: F401
 
 
 def _pid_alive(pid: int) -> bool:

@@ -73,14 +73,14 @@ def assert_idle(stack) -> None:
         mem.check(idle=True)
 
 
-def test_article_scenario_retract_is_transparent(service_factory, checkpoint) -> None:
+def test_article_scenario_retract_is_transparent(launcher, checkpoint) -> None:
     """A pool of 256 tokens; one request of ~0.85 of it plus shorter ones."""
     reqs = workload(seed=1, count=6, long_len=200)
-    reference = start_stack(service_factory, checkpoint, BIG_POOL, name="-ref")
+    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
     want = run_all(reference.scheduler.address, reqs)
     # A low conservativeness admits on optimistic output estimates: memory runs out mid-decode.
     pressure = start_stack(
-        service_factory,
+        launcher,
         checkpoint,
         SMALL_POOL,
         name="-small",
@@ -99,12 +99,12 @@ def test_article_scenario_retract_is_transparent(service_factory, checkpoint) ->
     assert_idle(pressure)
 
 
-def test_churn_under_test_retract(service_factory, checkpoint) -> None:
+def test_churn_under_test_retract(launcher, checkpoint) -> None:
     reqs = workload(seed=2, count=32)
-    reference = start_stack(service_factory, checkpoint, BIG_POOL, name="-ref")
+    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
     want = run_all(reference.scheduler.address, reqs)
     churn = start_stack(
-        service_factory,
+        launcher,
         checkpoint,
         BIG_POOL,
         name="-churn",
@@ -119,8 +119,8 @@ def test_churn_under_test_retract(service_factory, checkpoint) -> None:
     assert_idle(churn)
 
 
-def test_too_big_input_is_rejected_at_once(service_factory, checkpoint) -> None:
-    stack = start_stack(service_factory, checkpoint, SMALL_POOL)
+def test_too_big_input_is_rejected_at_once(launcher, checkpoint) -> None:
+    stack = start_stack(launcher, checkpoint, SMALL_POOL)
     with GenerateClient(stack.scheduler.address, timeout_s=10) as client:
         with pytest.raises(GenerateError) as info:
             client.generate([1] * 300, sampling={"max_new_tokens": 4})
@@ -132,8 +132,8 @@ def test_too_big_input_is_rejected_at_once(service_factory, checkpoint) -> None:
     assert_idle(stack)
 
 
-def test_bad_input_gets_a_clear_error(service_factory, checkpoint) -> None:
-    stack = start_stack(service_factory, checkpoint, SMALL_POOL)
+def test_bad_input_gets_a_clear_error(launcher, checkpoint) -> None:
+    stack = start_stack(launcher, checkpoint, SMALL_POOL)
     ctx = zmq.Context()
     sock = rpc.dealer(ctx, stack.scheduler.address)
     try:
@@ -213,9 +213,9 @@ def test_priority_policy_needs_priority_scheduling(memsvc_factory) -> None:
     assert "enable_priority_scheduling" in out.stderr or "priority" in out.stderr
 
 
-def test_metrics_after_retracts(service_factory, checkpoint) -> None:
+def test_metrics_after_retracts(launcher, checkpoint) -> None:
     stack = start_stack(
-        service_factory,
+        launcher,
         checkpoint,
         BIG_POOL,
         name="-m",
@@ -242,12 +242,12 @@ def test_metrics_after_retracts(service_factory, checkpoint) -> None:
 MEDIUM_POOL = [*PAGE, "--num-pages", "128", "--max-running-requests", "32"]  # 512 tokens
 
 
-def test_last_request_abort_and_abort_of_a_retracted_request(service_factory, checkpoint):
+def test_last_request_abort_and_abort_of_a_retracted_request(launcher, checkpoint):
     """Another memsvc session takes every free page while two requests decode: the one
     with the longer prompt is retracted, the last one still cannot grow and is aborted
     with the 500 message; the retracted one, aborted by its client while it waits,
     returns its partial output; the scheduler then keeps serving."""
-    stack = start_stack(service_factory, checkpoint, MEDIUM_POOL)
+    stack = start_stack(launcher, checkpoint, MEDIUM_POOL)
 
     async def scenario() -> None:
         async with AsyncGenerateClient(stack.scheduler.address, timeout_s=60) as client:

@@ -1,0 +1,160 @@
+"""Start kvstack services as child processes and always reap them.
+
+Each service is ``python -m MODULE --listen ADDRESS --ready-file FILE ...``;
+it is up once it has written its ready file (which holds its address, pid and
+epoch). :class:`Launcher` stops everything it started, last first, on exit:
+SIGTERM, then SIGKILL after a grace period, so no process or shared-memory
+segment outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+# memsvc flags for the bundled tiny model's geometry (4 layers, 2 KV heads of 64, float32).
+TINY_MODEL_POOL = [
+    "--num-layers",
+    "4",
+    "--num-kv-heads",
+    "2",
+    "--head-dim",
+    "64",
+    "--dtype",
+    "float32",
+]
+
+
+class LaunchError(RuntimeError):
+    """A service exited or did not become ready in time; the message has its log."""
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen
+    address: str
+    info: dict[str, Any]
+    log_path: Path
+
+    @property
+    def epoch(self) -> str | None:
+        return self.info.get("epoch")
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.info.get("metrics_port")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+def start_service(
+    workdir: Path,
+    module: str,
+    *args: str,
+    name: str | None = None,
+    address: str | None = None,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
+) -> Service:
+    """``python -m module --listen ADDRESS --ready-file F *args``, returned once it serves."""
+    name = name or module
+    address = address or f"ipc://{workdir}/{name}.sock"
+    ready = workdir / f"{name}.ready"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    command = [sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready), *args]
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": python_path, **(env or {})},
+        )
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise LaunchError(f"{name} did not start:\n{log_path.read_text()}")
+        time.sleep(0.02)
+    return Service(name, proc, address, json.loads(ready.read_text()), log_path)
+
+
+class Launcher:
+    """Starts services in ``workdir``; ``with Launcher(dir) as up: up.start(...)``."""
+
+    def __init__(self, workdir: str | Path) -> None:
+        self.workdir = Path(workdir)
+        self.services: list[Service] = []
+
+    def start(self, module: str, *args: str, **kwargs: Any) -> Service:
+        service = start_service(self.workdir, module, *args, **kwargs)
+        self.services.append(service)
+        return service
+
+    def start_normal_stack(
+        self,
+        checkpoint: str | Path,
+        pool: list[str],
+        scheduler: list[str] = (),
+        *,
+        suffix: str = "",
+        env: dict[str, str] | None = None,
+    ) -> tuple[Service, Service, Service]:
+        """memsvc + model_svc + scheduler_svc in normal mode, wired together."""
+        mem = self.start("memsvc", *TINY_MODEL_POOL, *pool, name=f"memsvc{suffix}")
+        model = self.start(
+            "model_svc",
+            "--memsvc",
+            mem.address,
+            "--checkpoint",
+            str(checkpoint),
+            "--threads",
+            "1",
+            name=f"model_svc{suffix}",
+        )
+        sched = self.start(
+            "scheduler_svc",
+            "--memsvc",
+            mem.address,
+            "--worker",
+            model.address,
+            *scheduler,
+            name=f"scheduler_svc{suffix}",
+            env=env,
+        )
+        return mem, model, sched
+
+    def stop_all(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
