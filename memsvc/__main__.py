@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from memsvc.cli import add_service_args, setup_logging
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
@@ -95,17 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     net = parser.add_argument_group("service")
     net.add_argument(
-        "--listen",
-        default=None,
-        help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc:// socket in a "
-        "private runtime folder, printed at start)",
-    )
-    net.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback --listen address (use CURVE with it)",
-    )
-    net.add_argument(
         "--curve-secret-key",
         default=None,
         help="server certificate (zmq.auth format) turning on CURVE encryption",
@@ -128,30 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between checks for expired session leases",
     )
     net.add_argument(
-        "--ready-file",
-        default=None,
-        help="write {address, epoch, pid, metrics_port} as JSON here once serving",
-    )
-    net.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
     )
-    net.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity",
-    )
+    add_service_args(net, ready_fields="address, epoch, pid, metrics_port")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    setup_logging(args)
     try:
         listen = args.listen or default_listen_address()
         check_listen_address(listen, allow_remote=args.allow_remote)

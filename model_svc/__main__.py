@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import MemClient
 from memsvc.core.errors import MemsvcError
 from memsvc.server import ServiceShell, check_listen_address, default_listen_address
@@ -26,15 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--memsvc", required=True, help="memsvc address (ipc://... or tcp://...)")
-    parser.add_argument(
-        "--listen",
-        default=None,
-        help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc:// socket in a "
-        "private runtime folder, printed at start)",
-    )
-    parser.add_argument(
-        "--allow-remote", action="store_true", help="allow a non-loopback --listen address"
-    )
     parser.add_argument(
         "--checkpoint",
         default=None,
@@ -56,25 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
-    parser.add_argument(
-        "--ready-file",
-        default=None,
-        help="write {address, epoch, pid, pool_epoch} as JSON here once serving",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity",
-    )
+    add_service_args(parser, ready_fields="address, epoch, pid, pool_epoch")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    setup_logging(args)
     import torch
 
     from model_svc.handlers import AttachedPool, ModelService

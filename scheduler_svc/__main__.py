@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.server import check_listen_address, default_listen_address
@@ -32,15 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--memsvc", required=True, help="memsvc address")
     parser.add_argument("--worker", required=True, help="model_svc address")
-    parser.add_argument(
-        "--listen",
-        default=None,
-        help="ipc://PATH or tcp://127.0.0.1:PORT for the generate API "
-        "(default: an ipc:// socket in a private runtime folder)",
-    )
-    parser.add_argument(
-        "--allow-remote", action="store_true", help="allow a non-loopback --listen address"
-    )
     parser.add_argument(
         "--page-size",
         type=int,
@@ -94,22 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the byte-level tokenizer)",
     )
     parser.add_argument(
-        "--ready-file",
-        default=None,
-        help="write {address, pid, metrics_port} as JSON here once serving",
-    )
-    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
     )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log verbosity",
-    )
+    add_service_args(parser, ready_fields="address, pid, metrics_port")
     return parser
 
 
@@ -182,9 +164,7 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    setup_logging(args)
     try:
         listen = args.listen or default_listen_address("scheduler_svc")
         check_listen_address(listen, allow_remote=args.allow_remote)

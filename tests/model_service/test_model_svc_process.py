@@ -15,18 +15,11 @@ from model_svc.client import ForwardError, ModelClient
 from model_svc.model import LlamaModel
 from model_svc.reference import generate_dense
 from model_svc.tiny import write_tiny_checkpoint
+from scheduler_svc.launch import TINY_MODEL_POOL
 from tests.procs import REPO
 
-# The tiny model's geometry: 4 layers, 2 KV heads of 64.
 POOL = [
-    "--num-layers",
-    "4",
-    "--num-kv-heads",
-    "2",
-    "--head-dim",
-    "64",
-    "--dtype",
-    "float32",
+    *TINY_MODEL_POOL,
     "--page-size",
     "4",
     "--num-pages",

@@ -1,0 +1,39 @@
+"""Command-line pieces every kvstack service shares: where it listens, its ready file, logs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def add_service_args(parser: Any, *, ready_fields: str) -> None:
+    """``--listen``, ``--allow-remote``, ``--ready-file`` and ``--log-level``."""
+    parser.add_argument(
+        "--listen",
+        default=None,
+        help="ipc://PATH or tcp://127.0.0.1:PORT (default: an ipc:// socket in a private "
+        "runtime folder, printed at start)",
+    )
+    parser.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --listen address",
+    )
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help=f"write {{{ready_fields}}} as JSON here once serving",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log verbosity",
+    )
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
