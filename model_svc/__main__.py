@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import sys
 
@@ -15,6 +17,7 @@ from model_svc.errors import ModelSvcError
 
 log = logging.getLogger("model_svc")
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
@@ -52,9 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def keep_freed_memory() -> None:
+    """Stop glibc from returning large freed blocks to the OS after every forward pass.
+
+    Each decode step allocates MB-sized temporaries; with the default thresholds
+    glibc unmaps them on free and the next step page-faults them back in, which
+    doubled decode step time here. No effect outside glibc.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args)
+    keep_freed_memory()
     import torch
 
     from model_svc.handlers import AttachedPool, ModelService
