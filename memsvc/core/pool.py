@@ -17,7 +17,6 @@ that cannot be satisfied returns ``None``, also without changing anything.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from memsvc.core.allocator import (
-    OWNER_FREE,
     OWNER_TREE,
     SLOT_DTYPE,
     PageAllocator,
@@ -36,12 +34,12 @@ from memsvc.core.backends import create_buffers
 from memsvc.core.errors import (
     DuplicateRequestError,
     HostStoreFullError,
-    IntegrityError,
     InvalidArgumentError,
     OutOfRowsError,
     UnknownRequestError,
 )
 from memsvc.core.host_store import HostStore
+from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
@@ -485,94 +483,7 @@ class KVPool:
     def check_integrity(self, *, idle: bool = False) -> None:
         """Raise :class:`IntegrityError` unless every page is in exactly one place
         and every counter agrees; with ``idle``, also that nothing is held."""
-        problems: list[str] = []
-        page_size = self.page_size
-        owners = np.array(self.allocator.owners())
-        num_pages = self.layout.num_pages
-
-        free_list = np.array(self.allocator.free_page_list(), dtype=SLOT_DTYPE)
-        if np.unique(free_list).size != free_list.size:
-            problems.append("a page is on the free list twice")
-        if free_list.size != int((owners == OWNER_FREE).sum()) or (
-            free_list.size and (owners[free_list] != OWNER_FREE).any()
-        ):
-            problems.append("free list and owner tags disagree")
-
-        # The tree: every node's pages are tree-owned, no page in two nodes.
-        try:
-            self.tree.check()
-        except IntegrityError as exc:
-            problems.append(f"radix tree: {exc}")
-        tree_pages = [node.value[::page_size] // page_size for node in self.tree.iter_nodes()]
-        tree_pages_all = np.concatenate(tree_pages) if tree_pages else np.empty(0, SLOT_DTYPE)
-        if np.unique(tree_pages_all).size != tree_pages_all.size:
-            problems.append("a page is in two tree nodes")
-        if tree_pages_all.size != int((owners == OWNER_TREE).sum()) or (
-            tree_pages_all.size and (owners[tree_pages_all] != OWNER_TREE).any()
-        ):
-            problems.append("tree nodes and owner tags disagree")
-        if tree_pages_all.size * page_size != self.tree.total_size():
-            problems.append("tree size counter disagrees with its nodes")
-
-        # Requests: own pages tagged with their row, prefix pages tree-owned, locks exact.
-        expected_locks: Counter[int] = Counter()
-        nodes_by_id: dict[int, TreeNode] = {id(n): n for n in self.tree.iter_nodes()}
-        live_rows = set()
-        for req in self._reqs.values():
-            live_rows.add(req.row)
-            if req.protected_len % page_size or req.protected_len > req.kv_len:
-                problems.append(f"{req.rid}: protected_len {req.protected_len} is off")
-                continue
-            slots = self.table.read(req.row, 0, req.kv_len)
-            prefix_pages = slots[: req.protected_len : page_size] // page_size
-            own_pages = np.unique(slots[req.protected_len :] // page_size)
-            if prefix_pages.size and (owners[prefix_pages] != OWNER_TREE).any():
-                problems.append(f"{req.rid}: locked prefix is not tree-owned")
-            if own_pages.size and (owners[own_pages] != req.row).any():
-                problems.append(f"{req.rid}: holds pages it does not own")
-            if own_pages.size != int((owners == req.row).sum()):
-                problems.append(f"{req.rid}: owns pages outside its row (leak)")
-            node = req.last_node
-            while node is not self.tree.root and node is not None:
-                expected_locks[id(node)] += 1
-                node = node.parent
-        stray = set(np.unique(owners[1:][owners[1:] > 0]).tolist()) - live_rows
-        if stray:
-            problems.append(f"pages owned by closed rows {sorted(stray)[:8]}")
-        if (owners[1:] < OWNER_TREE).any():
-            problems.append("pages with an anonymous or reserved owner")
-        for node_id, node in nodes_by_id.items():
-            if node.lock_ref != expected_locks.get(node_id, 0):
-                problems.append(
-                    f"tree node lock_ref {node.lock_ref} != {expected_locks.get(node_id, 0)} "
-                    "locks held by open requests"
-                )
-                break
-        if set(self.table.rows_in_use().tolist()) != live_rows:
-            problems.append("req_to_token rows in use do not match open requests")
-
-        held = int((owners[1:] > 0).sum()) * page_size
-        total = self.available_size() + self.evictable_size() + self.protected_size() + held
-        if total != num_pages * page_size:
-            problems.append(
-                f"available {self.available_size()} + evictable {self.evictable_size()} + "
-                f"protected {self.protected_size()} + held {held} != capacity {self.capacity}"
-            )
-        host_bytes = sum(self.host_store.entry_bytes(rid) for rid in self.host_store.rids())
-        if host_bytes != self.host_store.used_bytes or host_bytes > self.host_store.capacity_bytes:
-            problems.append("host store byte accounting is off")
-
-        if idle:
-            if self._reqs:
-                problems.append(f"idle but {len(self._reqs)} requests are open")
-            if self.protected_size():
-                problems.append(f"idle but protected = {self.protected_size()}")
-            if self.available_size() + self.evictable_size() != self.capacity:
-                problems.append("idle but available + evictable != capacity")
-            if len(self.host_store):
-                problems.append(f"idle but the host store holds {len(self.host_store)} entries")
-        if problems:
-            raise IntegrityError("; ".join(problems))
+        check_pool(self, idle=idle)
 
     # -- lifetime --------------------------------------------------------------
 
