@@ -32,9 +32,6 @@ import argparse
 import contextlib
 import json
 import multiprocessing
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,13 +45,13 @@ import zmq
 
 from memsvc import protocol as p
 from memsvc.client import MemClient
-from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from scheduler_svc.launch import Launcher
 
-REPO = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 64, 256)
 PROMPT_LEN = 16  # tokens each decode request holds when (re)opened
 EXTEND_LEN = 16
 CAPTURE_OP_ID = 1 << 40  # far above the client's own op ids, so never a cached retry
+START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
 
@@ -110,52 +107,6 @@ def time_calls(
 
 
 # -- processes ---------------------------------------------------------------------
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL; reaped either way."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def remove_segments(pid: int) -> list[str]:
-    """Unlink the shm segments a (killed) process of ours left; returns their names."""
-    left = [name for name in list_segments() if segment_owner_pid(name) == pid]
-    for name in left:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-    return left
-
-
-@contextlib.contextmanager
-def running_memsvc(workdir: Path, pool: PoolArgs) -> Iterator[str]:
-    """A memsvc process serving on an ipc path in ``workdir``; yields its address."""
-    address = f"ipc://{workdir}/memsvc.sock"
-    ready = workdir / "memsvc.ready"
-    log_path = workdir / "memsvc.log"
-    args = [sys.executable, "-m", "memsvc", "--listen", address, "--ready-file", str(ready)]
-    args += [*pool.cli(), "--log-level", "WARNING"]
-    python_path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"memsvc did not start:\n{log_path.read_text()}")
-            time.sleep(0.02)
-        yield address
-    finally:
-        stop_process(proc)
-        left = remove_segments(proc.pid)
-        if left:
-            print(f"memsvc left shm segments, removed: {left}", file=sys.stderr)
 
 
 def serve_echo(address: str, replies: dict[int, list[bytes]], ready: Event) -> None:
@@ -343,22 +294,36 @@ def run(args: argparse.Namespace) -> dict:
     pool = PoolArgs(args.page_size, args.num_pages, args.max_running_requests, args.max_context_len)
     with tempfile.TemporaryDirectory(prefix="memsvc-bench-") as tmp:
         workdir = Path(tmp)
-        with running_memsvc(workdir, pool) as address:
-            client = MemClient(address, name="bench", lease_s=600, heartbeat=False)
-            try:
-                frames = {
-                    size: capture_decode_frames(client, address, size) for size in BATCH_SIZES
-                }
-                replies = {len(request[-1]): reply for request, reply in frames.values()}
-                requests = {size: request for size, (request, _) in frames.items()}
-                with running_echo(workdir, replies) as echo_address:
-                    decode, echo = time_decode_and_echo(client, echo_address, requests, pool, args)
-                extend = time_alloc_extend(client, args.iterations, args.warmup)
-                stats: list[float] = []
-                time_calls(client.stats, args.warmup, [])
-                time_calls(client.stats, args.iterations, stats)
-            finally:
-                client.close()
+        launcher = Launcher(workdir, stop_timeout=STOP_TIMEOUT_S)
+        try:
+            with launcher:
+                memsvc = launcher.start(
+                    "memsvc", *pool.cli(), "--log-level", "WARNING", timeout=START_TIMEOUT_S
+                )
+                address = memsvc.address
+                client = MemClient(address, name="bench", lease_s=600, heartbeat=False)
+                try:
+                    frames = {
+                        size: capture_decode_frames(client, address, size) for size in BATCH_SIZES
+                    }
+                    replies = {len(request[-1]): reply for request, reply in frames.values()}
+                    requests = {size: request for size, (request, _) in frames.items()}
+                    with running_echo(workdir, replies) as echo_address:
+                        decode, echo = time_decode_and_echo(
+                            client, echo_address, requests, pool, args
+                        )
+                    extend = time_alloc_extend(client, args.iterations, args.warmup)
+                    stats: list[float] = []
+                    time_calls(client.stats, args.warmup, [])
+                    time_calls(client.stats, args.iterations, stats)
+                finally:
+                    client.close()
+        finally:
+            if launcher.leaked_segments:
+                print(
+                    f"memsvc left shm segments, removed: {launcher.leaked_segments}",
+                    file=sys.stderr,
+                )
     result = {
         "decode_step": {str(size): percentiles(decode[size]) for size in BATCH_SIZES},
         "alloc_extend_16": percentiles(extend),

@@ -37,33 +37,26 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from memsvc.client import MemClient
-from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from model_svc.tiny import BOS_ID, write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
+from scheduler_svc.launch import Launcher
 
-REPO = Path(__file__).resolve().parents[1]
 PAGE_SIZE = 4
 MAX_RUNNING_REQUESTS = 32
 MAX_CONTEXT_LEN = 1024
 BASELINE_FACTOR = 4  # the baseline pool holds this many times the workload's demand
-START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 300.0
-# The tiny model's geometry: 4 layers, 2 KV heads of 64, float32.
-MODEL_POOL = ["--num-layers", "4", "--num-kv-heads", "2", "--head-dim", "64", "--dtype", "float32"]
 # BOS repeated: never a prefix of the byte-valued workload prompts, so no cache hits.
 WARMUP_PROMPT = [BOS_ID] * 8
 
@@ -99,92 +92,14 @@ def make_workload(args: argparse.Namespace, round_index: int) -> list[Request]:
     return reqs
 
 
-# -- processes ---------------------------------------------------------------------
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL; reaped either way."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def remove_segments(pid: int) -> list[str]:
-    """Unlink the shm segments a (killed) process of ours left; returns their names."""
-    left = [name for name in list_segments() if segment_owner_pid(name) == pid]
-    for name in left:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
-    return left
-
-
-@dataclass
-class Leaks:
-    """Shared-memory segments services left behind (removed, but a failure of the run)."""
-
-    segments: list[str]
-
-
-@contextlib.contextmanager
-def running_service(
-    workdir: Path, module: str, name: str, args: list[str], leaks: Leaks
-) -> Iterator[str]:
-    """``python -m module --listen ipc://... --ready-file F *args`` once ready; yields its address.
-
-    Stopped (SIGTERM, then SIGKILL) and reaped on exit, and any shm segment it left unlinked.
-    """
-    address = f"ipc://{workdir}/{name}.sock"
-    ready = workdir / f"{name}.ready"
-    log_path = workdir / f"{name}.log"
-    command = [sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready)]
-    command += [*args, "--log-level", "WARNING"]
-    python_path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path)}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start:\n{log_path.read_text()}")
-            time.sleep(0.02)
-        yield address
-    finally:
-        stop_process(proc)
-        leaks.segments += remove_segments(proc.pid)
-
-
-@contextlib.contextmanager
-def running_stack(
-    workdir: Path,
-    name: str,
-    num_pages: int,
-    checkpoint: Path,
-    scheduler_args: list[str],
-    leaks: Leaks,
-) -> Iterator[tuple[str, str]]:
-    """memsvc + model_svc + scheduler_svc; yields the memsvc and scheduler addresses.
-
-    Stopped in reverse start order.
-    """
-    pool = [*MODEL_POOL, "--page-size", str(PAGE_SIZE), "--num-pages", str(num_pages)]
-    pool += ["--max-running-requests", str(MAX_RUNNING_REQUESTS)]
-    pool += ["--max-context-len", str(MAX_CONTEXT_LEN)]
-    with contextlib.ExitStack() as stack:
-        mem = stack.enter_context(running_service(workdir, "memsvc", f"memsvc-{name}", pool, leaks))
-        model_args = ["--memsvc", mem, "--checkpoint", str(checkpoint), "--threads", "1"]
-        model = stack.enter_context(
-            running_service(workdir, "model_svc", f"model_svc-{name}", model_args, leaks)
-        )
-        sched_args = ["--memsvc", mem, "--worker", model, *scheduler_args]
-        sched = stack.enter_context(
-            running_service(workdir, "scheduler_svc", f"scheduler_svc-{name}", sched_args, leaks)
-        )
-        yield mem, sched
+def pool_args(num_pages: int) -> list[str]:
+    """memsvc pool flags past the tiny model's geometry (which the launcher adds)."""
+    return [
+        "--page-size", str(PAGE_SIZE),
+        "--num-pages", str(num_pages),
+        "--max-running-requests", str(MAX_RUNNING_REQUESTS),
+        "--max-context-len", str(MAX_CONTEXT_LEN),
+    ]  # fmt: skip
 
 
 # -- rounds ------------------------------------------------------------------------
@@ -303,22 +218,27 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "baseline": -(-demand * BASELINE_FACTOR // PAGE_SIZE),
     }
     scheduler_args = ["--schedule-conservativeness", str(args.schedule_conservativeness)]
-    leaks = Leaks([])
     with tempfile.TemporaryDirectory(prefix="retract-bench-") as tmp:
         workdir = Path(tmp)
         checkpoint = write_tiny_checkpoint(workdir / "tiny-llama")
-        with contextlib.ExitStack() as stack:
+        # Stopped last started first (each stack's scheduler, model, memsvc), leftover shm
+        # segments unlinked and kept in launcher.leaked_segments.
+        with Launcher(workdir, stop_timeout=STOP_TIMEOUT_S) as launcher:
             stacks = {
-                name: stack.enter_context(
-                    running_stack(workdir, name, pages, checkpoint, scheduler_args, leaks)
+                name: launcher.start_normal_stack(
+                    checkpoint,
+                    pool_args(pages),
+                    scheduler_args,
+                    suffix=f"-{name}",
+                    log_level="WARNING",
                 )
                 for name, pages in num_pages.items()
             }
             totals, rounds, identical = asyncio.run(
-                serve_rounds({name: sched for name, (_, sched) in stacks.items()}, args)
+                serve_rounds({name: sched.address for name, (_, _, sched) in stacks.items()}, args)
             )
-            for mem, _ in stacks.values():
-                with MemClient(mem, name="bench") as client:
+            for mem, _, _ in stacks.values():
+                with MemClient(mem.address, name="bench") as client:
                     client.check(idle=True)  # everything released, the pool consistent
     result = {
         "workload": {
@@ -338,7 +258,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         "rounds": rounds,
         "outputs_identical": identical,
     }
-    return result, leaks.segments
+    return result, launcher.leaked_segments
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,20 +4,25 @@ Each service is ``python -m MODULE --listen ADDRESS --ready-file FILE ...``;
 it is up once it has written its ready file (which holds its address, pid and
 epoch). :class:`Launcher` stops everything it started, last first, on exit:
 SIGTERM, then SIGKILL after a grace period, so no process or shared-memory
-segment outlives it.
+segment outlives it: a kvstack segment a stopped service left is unlinked, and
+its name kept in :attr:`Service.leaked_segments` (and
+:attr:`Launcher.leaked_segments`) for the caller to report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +43,15 @@ class LaunchError(RuntimeError):
     """A service exited or did not become ready in time; the message has its log."""
 
 
+def remove_segments(pid: int) -> list[str]:
+    """Unlink the kvstack shm segments process ``pid`` (now gone) left; returns their names."""
+    left = [name for name in list_segments() if segment_owner_pid(name) == pid]
+    for name in left:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+    return left
+
+
 @dataclass
 class Service:
     name: str
@@ -45,6 +59,8 @@ class Service:
     address: str
     info: dict[str, Any]
     log_path: Path
+    # Segments the process left behind, unlinked by :meth:`stop` (a leak for the caller to report).
+    leaked_segments: list[str] = field(default_factory=list)
 
     @property
     def epoch(self) -> str | None:
@@ -55,6 +71,10 @@ class Service:
         return self.info.get("metrics_port")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """``sig``, then SIGKILL after ``timeout`` seconds; reaped, its leftover segments unlinked.
+
+        Returns the exit code; the segments' names are added to :attr:`leaked_segments`.
+        """
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -62,6 +82,7 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.leaked_segments += remove_segments(self.proc.pid)
         return self.proc.returncode
 
     def log(self) -> str:
@@ -98,17 +119,24 @@ def start_service(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
+            remove_segments(proc.pid)
             raise LaunchError(f"{name} did not start:\n{log_path.read_text()}")
         time.sleep(0.02)
     return Service(name, proc, address, json.loads(ready.read_text()), log_path)
 
 
 class Launcher:
-    """Starts services in ``workdir``; ``with Launcher(dir) as up: up.start(...)``."""
+    """Starts services in ``workdir``; ``with Launcher(dir) as up: up.start(...)``.
 
-    def __init__(self, workdir: str | Path) -> None:
+    ``stop_timeout``: seconds each service gets after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, workdir: str | Path, *, stop_timeout: float = 30) -> None:
         self.workdir = Path(workdir)
+        self.stop_timeout = stop_timeout
         self.services: list[Service] = []
+        # Every segment a service stopped by :meth:`stop_all` left (unlinked).
+        self.leaked_segments: list[str] = []
 
     def start(self, module: str, *args: str, **kwargs: Any) -> Service:
         service = start_service(self.workdir, module, *args, **kwargs)
@@ -123,9 +151,14 @@ class Launcher:
         *,
         suffix: str = "",
         env: dict[str, str] | None = None,
+        log_level: str | None = None,
     ) -> tuple[Service, Service, Service]:
-        """memsvc + model_svc + scheduler_svc in normal mode, wired together."""
-        mem = self.start("memsvc", *TINY_MODEL_POOL, *pool, name=f"memsvc{suffix}")
+        """memsvc + model_svc + scheduler_svc in normal mode, wired together.
+
+        ``log_level``, if given, is passed to each as ``--log-level``.
+        """
+        logging = ["--log-level", log_level] if log_level else []
+        mem = self.start("memsvc", *TINY_MODEL_POOL, *pool, *logging, name=f"memsvc{suffix}")
         model = self.start(
             "model_svc",
             "--memsvc",
@@ -134,6 +167,7 @@ class Launcher:
             str(checkpoint),
             "--threads",
             "1",
+            *logging,
             name=f"model_svc{suffix}",
         )
         sched = self.start(
@@ -143,15 +177,22 @@ class Launcher:
             "--worker",
             model.address,
             *scheduler,
+            *logging,
             name=f"scheduler_svc{suffix}",
             env=env,
         )
         return mem, model, sched
 
     def stop_all(self) -> None:
-        for service in reversed(self.services):
-            service.stop()
-        self.services.clear()
+        """Stop every service, last started first; each one even if stopping another raised."""
+        services, self.services = self.services, []
+        with contextlib.ExitStack() as stack:
+            for service in services:  # unwound last first
+                stack.callback(self._stop, service)
+
+    def _stop(self, service: Service) -> None:
+        service.stop(timeout=self.stop_timeout)
+        self.leaked_segments += service.leaked_segments
 
     def __enter__(self) -> Launcher:
         return self

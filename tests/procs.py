@@ -42,6 +42,8 @@ def launcher(tmp_path: Path) -> Iterator[Launcher]:
     """Starts service processes; all are stopped (killed if need be) after the test, last first."""
     with Launcher(tmp_path) as started:
         yield started
+    # The launcher unlinks what a stopped service left; that it had to is a leak.
+    assert not started.leaked_segments, f"services left shm segments: {started.leaked_segments}"
 
 
 @pytest.fixture

@@ -249,6 +249,7 @@ def test_sigterm_exits_zero_and_removes_shm_and_socket(tmp_path) -> None:
         mem.alloc_row("r")
         mem.alloc_extend([("r", 8)])
         assert svc.stop(signal.SIGTERM) == 0
+    assert svc.leaked_segments == []  # memsvc unlinked them itself, not the launcher
     assert not [n for n in list_segments() if n.startswith(f"kvstack-{svc.proc.pid}-")]
     assert not (tmp_path / "memsvc.sock").exists()
     assert "memsvc stopped" in svc.log()
