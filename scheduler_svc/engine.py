@@ -139,6 +139,10 @@ class Engine:
             return False
         if len(self.running) >= self.config.max_running_requests and self.chunked is None:
             return False
+        if not self.running:
+            # Sizes come with every memsvc reply; with no decode traffic they may be
+            # stale (another session may have freed pages): ask for fresh ones.
+            await self.mem.heartbeat()
         sizes = self.mem.sizes
         adder = PrefillAdder(
             self.config,
@@ -157,7 +161,7 @@ class Engine:
             req.continue_prefill(decision.extend_len)
             batch.append(req)
             self.chunked = req if adder.new_chunked_req is req else None
-        while self.waiting and adder.num_free_request_slots > 0:
+        while self.waiting and adder.could_admit(self.waiting[0]):
             req = self.waiting[0]
             try:
                 row = await self.mem.alloc_row(req.rid)

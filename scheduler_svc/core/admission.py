@@ -153,7 +153,21 @@ class PrefillAdder:
         """What admitting ``extend_len`` tokens reserving ``max_new_tokens`` adds to the total."""
         return ceil_page(extend_len, self.page_size) + self.page_size + max_new_tokens
 
-    def _clipped_max_new(self, req: Req) -> int:
+    def could_admit(self, req: Req) -> bool:
+        """Whether ``req`` could be admitted with the best prefix hit it could get.
+
+        A cheap pre-check before asking memsvc to match its prefix: with the
+        longest possible hit (all of ``fill_ids`` but the last page-aligned
+        token) it would still need this much; if even that does not fit, a
+        match cannot change the answer.
+        """
+        if self.num_free_request_slots <= 0 or self.budget_state() is not AddResult.CONTINUE:
+            return False
+        best_prefix = floor_page(req.seq_len - 1, self.page_size)
+        charge = self.charge(req.seq_len - best_prefix, self.clipped_max_new(req))
+        return charge < self.remaining_total_tokens
+
+    def clipped_max_new(self, req: Req) -> int:
         # What the request may still generate. For a new request that is its
         # max_new_tokens (as in SGLang); a retracted one has already produced
         # len(output_ids) of them, and charging the full amount again could make
@@ -213,7 +227,7 @@ class PrefillAdder:
                 chunk_len = self._chunk_len(prefix_len, self.rem_chunk_tokens)
             extend_len = min(full_len, chunk_len)
         is_last = extend_len == full_len
-        self._reserve(req, prefix_len, extend_len, self._clipped_max_new(req) if is_last else 0)
+        self._reserve(req, prefix_len, extend_len, self.clipped_max_new(req) if is_last else 0)
         self._log_tokens(req, 0, extend_len)  # its hit was logged with the first chunk
         if not is_last:
             self.new_chunked_req = req
@@ -241,7 +255,7 @@ class PrefillAdder:
         state = self.budget_state()
         if state is not AddResult.CONTINUE:
             return AddDecision(state, 0)
-        max_new = self._clipped_max_new(req)
+        max_new = self.clipped_max_new(req)
         if self.charge(extend_len, max_new) >= self.remaining_total_tokens:
             return AddDecision(AddResult.NO_TOKEN, 0)
         input_tokens = ceil_page(extend_len, self.page_size)

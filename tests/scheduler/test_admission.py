@@ -400,3 +400,18 @@ def test_property_budget_never_overdrawn_with_chunks_and_caps(
 def test_running_requests_need_a_ratio():
     with pytest.raises(ValueError, match="new_token_ratio"):
         PrefillAdder(config(), 1000, [running_req("a", 8, 1, 10)])
+
+
+def test_could_admit_is_a_safe_upper_bound():
+    """could_admit is False only when add_one_req would refuse whatever the prefix hit."""
+    for available in range(0, 120, 3):
+        for prompt_len in (1, 5, 17, 40):
+            req = make_req("q", input_len=prompt_len, max_new_tokens=30)
+            best_prefix = (prompt_len - 1) // 4 * 4
+            for prefix in range(0, best_prefix + 1, 4):
+                adder = PrefillAdder(config(), available_tokens=available)
+                if not adder.could_admit(req):
+                    assert not adder.add_one_req(req, prefix).admitted
+            adder = PrefillAdder(config(), available_tokens=available)
+            if adder.could_admit(req):
+                assert adder.add_one_req(req, best_prefix).admitted
