@@ -140,6 +140,9 @@ class SchedulerService:
                 reply = _error(op_id, exc.code, exc.message, 400)
             except RequestTooLargeError as exc:
                 reply = _error(op_id, "too_large", str(exc), 400)
+            except Exception as exc:  # a bug: answer, log, keep serving
+                log.exception("intake failed")
+                reply = _error(op_id, "internal", f"{type(exc).__name__}: {exc}", 500)
             if reply is not None:
                 self._outbox.put_nowait([identity, *reply])
             self._wake.set()
