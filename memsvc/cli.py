@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 from typing import Any
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -37,3 +39,13 @@ def add_service_args(parser: Any, *, ready_fields: str) -> None:
 
 def setup_logging(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+
+
+def write_ready_file(path: str | None, address: str, **info: Any) -> None:
+    """Atomically write ``{address, pid, **info}`` to ``path`` (if given): "I am serving"."""
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"address": address, "pid": os.getpid(), **info}, f)
+    os.replace(tmp, path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import zmq
 
+from memsvc.cli import write_ready_file
 from memsvc.core.errors import InvalidArgumentError
 
 log = logging.getLogger("memsvc")
@@ -133,7 +133,7 @@ class ServiceShell:
                 raise error
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_stop)
-            self._write_ready_file()
+            write_ready_file(self.ready_file, self.listen, **self.ready_info)
             epoch = self.ready_info.get("epoch")
             print(f"{self.name} listening on {self.listen} (epoch {epoch})", flush=True)
             error = await finished
@@ -216,12 +216,3 @@ class ServiceShell:
         sock.curve_publickey = public
         sock.curve_server = True
         return auth
-
-    def _write_ready_file(self) -> None:
-        if not self.ready_file:
-            return
-        info = {"address": self.listen, "pid": os.getpid(), **self.ready_info}
-        tmp = f"{self.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.replace(tmp, self.ready_file)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from memsvc import protocol as wire
+from memsvc.cli import write_ready_file
 from memsvc.client import PeerDeadError
 from memsvc.core.errors import MemsvcError
 from model_svc.errors import ModelSvcError
@@ -97,7 +97,7 @@ class SchedulerService:
                 asyncio.create_task(self._send(sock), name="scheduler-send"),
                 asyncio.create_task(self._loop(), name="scheduler-loop"),
             ]
-            self._write_ready_file()
+            write_ready_file(self.ready_file, self.listen, **self.ready_info)
             print(f"scheduler_svc listening on {self.listen}", flush=True)
             stop = asyncio.create_task(self._stop.wait())
             done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -284,14 +284,6 @@ class SchedulerService:
             "num_waiting": len(engine.waiting),
             "stats": engine.stats.as_dict(),
         }
-
-    def _write_ready_file(self) -> None:
-        if not self.ready_file:
-            return
-        tmp = f"{self.ready_file}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"address": self.listen, "pid": os.getpid(), **self.ready_info}, f)
-        os.replace(tmp, self.ready_file)
 
 
 def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
