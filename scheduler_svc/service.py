@@ -222,7 +222,10 @@ class SchedulerService:
                     "rid": msg.rid,
                     "output_ids": [],
                     "text": "",
-                    "meta_info": _meta(req, 0.0),
+                    "meta_info": {
+                        **_meta(req, 0.0),
+                        "finish_reason": {"type": "length", "length": 0},
+                    },
                 }
             )
         self.engine.submit(req)

@@ -182,6 +182,8 @@ def test_bad_input_gets_a_clear_error(launcher, checkpoint) -> None:
         sock.close(0)
         ctx.term()
     with GenerateClient(stack.scheduler.address, timeout_s=10) as client:
+        nothing = client.generate([1, 2], sampling={"max_new_tokens": 0})
+        assert nothing.output_ids == [] and nothing.finish_reason == {"type": "length", "length": 0}
         text = client.generate(text="hi", sampling={"max_new_tokens": 2, "ignore_eos": True})
         assert text.meta_info["prompt_tokens"] == 3  # bos + 2 bytes
         assert len(text.output_ids) == 2
