@@ -24,7 +24,7 @@ import hashlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from memsvc.client import AsyncMemClient
@@ -60,10 +60,10 @@ class EngineStats:
     aborted_reqs: int = 0
     finished_reqs: int = 0
     last_retracted_reqs: int = 0  # the num_retracted_reqs gauge
-    ratio_history: list[float] = field(default_factory=list)
+    last_ratio_after_retract: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "ratio_history"}
+        return dict(self.__dict__)
 
 
 class Engine:
@@ -295,7 +295,7 @@ class Engine:
         self.stats.retract_events += 1
         self.stats.last_retracted_reqs = len(reply.retracted)
         new_ratio = self.ratio.on_retract(self.running)
-        self.stats.ratio_history.append(new_ratio)
+        self.stats.last_ratio_after_retract = new_ratio
         gained = self.mem.sizes.available - sizes_before.available
         head = "KV cache pool is full. Retract requests. " if kv_full else "Testing retraction. "
         tail = f", #new_token_ratio: {old_ratio:.4f} -> {new_ratio:.4f}" if kv_full else ""

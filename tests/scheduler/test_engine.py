@@ -167,15 +167,26 @@ def test_chunked_prefill_computes_in_chunks_and_matches(service) -> None:
 def test_ratio_decays_on_clean_steps_and_is_set_after_a_retract(service) -> None:
     async def scenario() -> None:
         h = await Harness(service).start()
+        ratio = h.engine.ratio
         h.submit("a", [1, 2, 3], 20)
+        await h.engine.step()  # the prefill: no decay
+        assert ratio.current == pytest.approx(ratio.init_ratio)
+        for _ in range(5):  # clean decode steps
+            await h.engine.step()
+        assert ratio.current == pytest.approx(ratio.init_ratio - 5 * ratio.decay)
         await h.run()
-        # idle resets it to init
-        assert h.engine.ratio.current == pytest.approx(h.engine.ratio.init_ratio)
+        assert ratio.current == pytest.approx(ratio.init_ratio)  # idle resets it
+
         h2 = await Harness(service, test_retract=True, test_retract_interval=3).start()
         h2.submit("x", [1] * 5, 10)
         h2.submit("y", [2] * 9, 10)
+        while h2.engine.stats.retract_events == 0:
+            assert await h2.engine.step()
+        # assigned, not decayed, in the step that retracted
+        expected = h2.engine.ratio.estimate_after_retract(h2.engine.running)
+        assert h2.engine.ratio.current == pytest.approx(expected)
+        assert h2.engine.stats.last_ratio_after_retract == pytest.approx(expected)
         await h2.run()
-        assert h2.engine.stats.ratio_history, "a retract must set the ratio"
         service.pool.check_integrity(idle=True)
 
     run(scenario())

@@ -212,7 +212,7 @@ def test_priority_policy_needs_priority_scheduling(memsvc_factory) -> None:
         check=False,
     )
     assert out.returncode == 2
-    assert "enable_priority_scheduling" in out.stderr or "priority" in out.stderr
+    assert "retraction_policy='priority' requires enable_priority_scheduling" in out.stderr
 
 
 def test_metrics_after_retracts(launcher, checkpoint) -> None:
