@@ -33,7 +33,6 @@ from memsvc.core.allocator import (
 from memsvc.core.backends import create_buffers
 from memsvc.core.errors import (
     DuplicateRequestError,
-    HostStoreFullError,
     InvalidArgumentError,
     OutOfRowsError,
     UnknownRequestError,
@@ -43,6 +42,7 @@ from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
+from memsvc.core.retract import RetractResult, retract_until_fits
 
 
 @dataclass
@@ -67,14 +67,6 @@ class ReqKV:
     @kv_len.setter
     def kv_len(self, value: int) -> None:
         self.kv_lens[self.row] = value
-
-
-@dataclass(frozen=True)
-class RetractResult:
-    retracted: list[str]  # released (and offloaded, in offload mode), in retract order
-    offload_failed: list[str]  # released without a host copy: the host store was full
-    tokens_gained: int  # available + evictable after minus before
-    last_does_not_fit: bool  # one request left and its next step still does not fit
 
 
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -338,42 +330,10 @@ class KVPool:
     ) -> RetractResult:
         """Release requests from the end of ``rows`` until the next decode step fits.
 
-        ``rows`` is the decode batch in the scheduler's victim order, most
-        worth keeping first. At least one request is retracted when there are
-        two or more, the last one never is; after each release the tree gives
-        up ``remaining × retract_decode_steps`` tokens (the shortfall only) so
-        the freed prefix is usable at once. With ``offload`` a victim's KV goes
-        to the host store first; a victim the store cannot take is released
-        all the same and reported in ``offload_failed`` (the scheduler aborts
-        it). Retracted requests are closed (their rows freed).
+        See :func:`memsvc.core.retract.retract_until_fits`.
         """
-        order = self.check_rows(np.asarray(rows)).tolist()
-        tokens_before = self.available_size() + self.evictable_size()
-        retracted: list[str] = []
-        offload_failed: list[str] = []
-        first = True
-        while first or not self.check_decode_mem_rows(np.asarray(order, dtype=np.int64)):
-            if len(order) <= 1:
-                break
-            first = False
-            rid = self._rids_by_row[order.pop()]
-            victims = retracted
-            if offload:
-                try:
-                    self.offload(rid)
-                except HostStoreFullError:
-                    victims = offload_failed
-            self.release(rid, is_insert=False)
-            victims.append(rid)
-            self.ensure_available(len(order) * retract_decode_steps)
-        last_does_not_fit = len(order) <= 1 and not self.check_decode_mem_rows(
-            np.asarray(order, dtype=np.int64)
-        )
-        return RetractResult(
-            retracted=retracted,
-            offload_failed=offload_failed,
-            tokens_gained=self.available_size() + self.evictable_size() - tokens_before,
-            last_does_not_fit=last_does_not_fit,
+        return retract_until_fits(
+            self, rows, offload=offload, retract_decode_steps=retract_decode_steps
         )
 
     def evict(self, num_tokens: int) -> int:

@@ -1,0 +1,74 @@
+"""Retract: release running requests, least worth keeping first, until the next decode step fits.
+
+The memory half of SGLang's ``retract_decode``, run inside memsvc so that a
+scheduler needs one round trip for it::
+
+    rows = [keep most ... keep least]      pop from the end
+    repeat (at least once when 2+ rows): release the last, evict remaining × steps
+    until the step fits or one row is left  ->  last_does_not_fit tells the caller
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from memsvc.core.errors import HostStoreFullError
+
+if TYPE_CHECKING:
+    from memsvc.core.pool import KVPool
+
+
+@dataclass(frozen=True)
+class RetractResult:
+    retracted: list[str]  # released (and offloaded, in offload mode), in retract order
+    offload_failed: list[str]  # released without a host copy: the host store was full
+    tokens_gained: int  # available + evictable after minus before
+    last_does_not_fit: bool  # one request left and its next step still does not fit
+
+
+def retract_until_fits(
+    pool: KVPool, rows: Sequence[int] | np.ndarray, *, offload: bool, retract_decode_steps: int
+) -> RetractResult:
+    """Release requests from the end of ``rows`` until the next decode step fits.
+
+    ``rows`` is the decode batch in the scheduler's victim order, most worth
+    keeping first. At least one request is retracted when there are two or
+    more, the last one never is; after each release the tree gives up
+    ``remaining × retract_decode_steps`` tokens (the shortfall only) so the
+    freed prefix is usable at once. With ``offload`` a victim's KV goes to the
+    host store first; a victim the store cannot take is released all the same
+    and reported in ``offload_failed`` (the scheduler aborts it). Retracted
+    requests are closed (their rows freed).
+    """
+    order = pool.check_rows(np.asarray(rows)).tolist()
+    tokens_before = pool.available_size() + pool.evictable_size()
+    retracted: list[str] = []
+    offload_failed: list[str] = []
+    first = True
+    while first or not pool.check_decode_mem_rows(np.asarray(order, dtype=np.int64)):
+        if len(order) <= 1:
+            break
+        first = False
+        rid = pool.rid_of_row(order.pop())
+        victims = retracted
+        if offload:
+            try:
+                pool.offload(rid)
+            except HostStoreFullError:
+                victims = offload_failed
+        pool.release(rid, is_insert=False)
+        victims.append(rid)
+        pool.ensure_available(len(order) * retract_decode_steps)
+    last_does_not_fit = len(order) <= 1 and not pool.check_decode_mem_rows(
+        np.asarray(order, dtype=np.int64)
+    )
+    return RetractResult(
+        retracted=retracted,
+        offload_failed=offload_failed,
+        tokens_gained=pool.available_size() + pool.evictable_size() - tokens_before,
+        last_does_not_fit=last_does_not_fit,
+    )
