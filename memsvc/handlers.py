@@ -198,10 +198,11 @@ class MemService:
         """Rows freed by the last op no longer belong to anyone."""
         self._row_session[~self.pool.table.in_use_mask()] = 0
 
-    def _settle(self, rid: str) -> None:
-        """Drop ownership of a request that holds neither a row nor a host entry."""
-        if not self.pool.is_open(rid) and rid not in self.pool.host_store:
-            self.sessions.unclaim(rid)
+    def _settle(self, *rids: str) -> None:
+        """Drop ownership of requests that hold neither a row nor a host entry."""
+        for rid in rids:
+            if not self.pool.is_open(rid) and rid not in self.pool.host_store:
+                self.sessions.unclaim(rid)
         self._sync_row_owners()
 
     # -- request ops -----------------------------------------------------------
@@ -282,8 +283,7 @@ class MemService:
             offload=msg.mode == "offload",
             retract_decode_steps=self.config.retract_decode_steps,
         )
-        for rid in (*result.retracted, *result.offload_failed):
-            self._settle(rid)
+        self._settle(*result.retracted, *result.offload_failed)
         self.metrics.retracted(len(result.retracted) + len(result.offload_failed))
         return {
             "retracted": result.retracted,
