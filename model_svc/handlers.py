@@ -61,9 +61,11 @@ class ModelService:
         self._handlers = {"info": self._info, "extend": self._extend, "decode": self._decode}
 
     def _bind(self) -> None:
-        self.pool = self._attach_pool()
+        old, self.pool = self.pool, self._attach_pool()
         views = self.pool.views
         self.model.bind(views.kv_torch(), views.req_to_token_torch(), views.layout.page_size)
+        if old is not None and old.views is not views:
+            old.views.close()  # the model holds no view of the old pool any more
         log.info("bound to memsvc pool epoch %s (%s)", self.pool.epoch, views.layout)
 
     # -- the edge --------------------------------------------------------------
