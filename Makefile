@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m scheduler_svc.demo
+	$(BIN)/kvstack demo
 
 selfcheck: $(STAMP)
 	$(BIN)/python -m memsvc.selfcheck

@@ -81,12 +81,18 @@ def run_stack(launcher: Launcher, checkpoint: Path, pages: int, reqs, suffix: st
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--requests", type=int, default=12, help="short requests")
-    args = parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
     from model_svc.tiny import default_checkpoint
 
     checkpoint = default_checkpoint()

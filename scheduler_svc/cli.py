@@ -1,0 +1,54 @@
+"""``kvstack``: one command for the whole stack.
+
+Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``; it is imported only when
+that subcommand runs, so ``kvstack --help`` stays cheap::
+
+    kvstack demo     the main job: normal and PD stacks under KV pressure, tables and plots
+    kvstack serve    the stack behind an SGLang-compatible HTTP server
+    kvstack up       start and supervise one stack (restart what dies)
+    kvstack status   show each supervised process and its health
+    kvstack sim      the policy lab: scheduler + memsvc cores against a simulated worker
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "demo": ("scheduler_svc.demo", "run the main job: normal and PD stacks under KV pressure"),
+    "serve": ("scheduler_svc.http_front", "serve the stack over SGLang's HTTP API"),
+    "up": ("scheduler_svc.supervisor", "start one stack and restart what dies"),
+    "status": ("scheduler_svc.supervisor_status", "show the processes of a running stack"),
+    "sim": ("scheduler_svc.sim.cli", "simulate scheduling policies on a workload"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstack",
+        description="kvstack: a KV-cache memory manager for LLM serving, and its stack.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub = commands.add_parser(
+            name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        )
+        if name == chosen:
+            importlib.import_module(module).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
