@@ -167,7 +167,9 @@ class _Session:
                 "is empty and this session is gone; reconnect and treat held KV as lost",
                 epoch,
             )
-        self.sizes = PoolSizes(header["available"], header["evictable"], header["protected"])
+        self.sizes = PoolSizes(
+            header["available"], header["evictable"], header["protected"], header["host_free"]
+        )
         if not header.get("ok"):
             code, message = header.get("code", "internal"), header.get("message", "")
             cls = _ERRORS_BY_CODE.get(code)

@@ -109,6 +109,7 @@ class MemService:
             "available": pool.available_size(),
             "evictable": pool.evictable_size(),
             "protected": pool.protected_size(),
+            "host_free": pool.host_store.free_bytes,
         }
 
     def _pack_ok(
@@ -278,9 +279,10 @@ class MemService:
 
     def _retract(self, session: Session, msg: p.Retract) -> Reply:
         self._own_rows(session, msg.rows)
+        offload = msg.offload.astype(bool) if msg.mode == "mixed" else msg.mode == "offload"
         result = self.pool.retract(
             msg.rows,
-            offload=msg.mode == "offload",
+            offload=offload,
             retract_decode_steps=self.config.retract_decode_steps,
         )
         self._settle(*result.retracted, *result.offload_failed)

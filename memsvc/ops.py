@@ -24,6 +24,7 @@ class PoolSizes:
     available: int
     evictable: int
     protected: int
+    host_free: int = 0  # bytes the host store can still take
 
 
 @dataclass(frozen=True)
@@ -134,13 +135,26 @@ class _Ops:
         """Check decode memory and allocate one slot per row, in one round trip -> AllocResult."""
         return self._invoke(_Call("decode_step", {}, {"rows": _as_array(rows)}, _alloc_result))
 
-    def retract(self, rows: Sequence[int] | np.ndarray, mode: str = "recompute") -> Any:
-        """Release from the end of ``rows`` (victim order) until the next step fits."""
+    def retract(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        mode: str = "recompute",
+        offload: Sequence[bool] | None = None,
+    ) -> Any:
+        """Release from the end of ``rows`` (victim order) until the next step fits.
+
+        ``mode`` is ``recompute``, ``offload``, or ``mixed`` with ``offload``
+        giving per row whether its KV goes to the host store first.
+        """
+        arrays = {"rows": _as_array(rows)}
+        if offload is not None:
+            mode = "mixed"
+            arrays["offload"] = _as_array([int(bool(x)) for x in offload])
         return self._invoke(
             _Call(
                 "retract",
                 {"mode": mode},
-                {"rows": _as_array(rows)},
+                arrays,
                 lambda h, a: RetractReply(
                     h["retracted"], h["offload_failed"], h["tokens_gained"], h["last_does_not_fit"]
                 ),

@@ -19,7 +19,15 @@ from typing import Annotated, Any, Literal, get_args
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 ARRAY_DTYPE = np.dtype("<i8")
 MAX_RID_LEN = 256
@@ -131,7 +139,17 @@ class DecodeStep(Message):
 class Retract(Message):
     op: Literal["retract"]
     rows: IntArray  # most worth keeping first
-    mode: Literal["recompute", "offload"]
+    mode: Literal["recompute", "offload", "mixed"]
+    # mode "mixed": one 0/1 per row, 1 = copy that victim's KV to the host store first.
+    offload: IntArray | None = None
+
+    @model_validator(mode="after")
+    def _mask_matches(self) -> Retract:
+        if (self.mode == "mixed") != (self.offload is not None):
+            raise ValueError("an offload mask goes with mode 'mixed', and only with it")
+        if self.offload is not None and self.offload.shape != self.rows.shape:
+            raise ValueError("the offload mask needs one entry per row")
+        return self
 
 
 class Offload(Message):

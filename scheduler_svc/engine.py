@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
     retraction_order,
 )
+from scheduler_svc.core.retract_cost import RetractCostModel
 
 log = logging.getLogger("scheduler_svc")
 
@@ -55,6 +57,10 @@ class EngineStats:
     retracted_input_tokens: int = 0
     retracted_output_tokens: int = 0
     reprefilled_tokens: int = 0
+    offloaded_reqs: int = 0  # victims whose KV went to the host store
+    offloaded_tokens: int = 0
+    loaded_reqs: int = 0  # ... and came back from it
+    loaded_tokens: int = 0
     prefill_tokens: int = 0
     generated_tokens: int = 0
     aborted_reqs: int = 0
@@ -90,6 +96,11 @@ class Engine:
         self.reqs: dict[str, Req] = {}  # every request not yet finished or aborted
         self.stats = EngineStats()
         self._commands: deque[tuple[str, Any]] = deque()
+        layout = mem.layout
+        self.cost = RetractCostModel(
+            bytes_per_token=layout.bytes_per_token if layout else 0,
+            page_size=config.page_size,
+        )
 
     # -- commands (applied between steps) --------------------------------------
 
@@ -163,6 +174,11 @@ class Engine:
             self.chunked = req if adder.new_chunked_req is req else None
         while self.waiting and adder.could_admit(self.waiting[0]):
             req = self.waiting[0]
+            if req.host_copy:
+                if not await self._resume_from_host(req, adder):
+                    break
+                self.waiting.popleft()
+                continue
             try:
                 row = await self.mem.alloc_row(req.rid)
             except OutOfRowsError:
@@ -185,7 +201,7 @@ class Engine:
             if decision.result is not AddResult.CONTINUE:
                 break
         if not batch:
-            return False
+            return bool(adder.admitted)  # resumed from the host store, nothing to compute
         log.debug(
             "prefill %d reqs (%d tokens); running %d, waiting %d, ratio %.3f, budget %s",
             len(batch),
@@ -196,6 +212,26 @@ class Engine:
             adder,
         )
         await self._run_extend(batch)
+        return True
+
+    async def _resume_from_host(self, req: Req, adder: PrefillAdder) -> bool:
+        """Re-admit a request whose KV is in the host store: load it back, no prefill."""
+        if not adder.add_resumed_req(req):
+            return False
+        try:
+            row = await self.mem.alloc_row(req.rid)
+        except OutOfRowsError:
+            return False
+        started = time.perf_counter()
+        if not (await self.mem.load(req.rid)).fits:
+            await self.mem.free_row(req.rid)
+            return False
+        tokens = req.seq_len - 1
+        self.cost.observe_copy(tokens * self.cost.bytes_per_token, time.perf_counter() - started)
+        req.resume(row)
+        self.stats.loaded_reqs += 1
+        self.stats.loaded_tokens += tokens
+        self.running.append(req)
         return True
 
     async def _alloc(self, rid: str, num_tokens: int) -> bool:
@@ -210,8 +246,12 @@ class Engine:
             )
             for req in batch
         ]
+        started = time.perf_counter()
         result = await self.model.extend(
             items, sampling=[self._sampling(r) for r in batch], pool_epoch=self.mem.epoch
+        )
+        self.cost.observe_prefill(
+            sum(req.extend_len for req in batch), time.perf_counter() - started
         )
         self.stats.forward_passes += 1
         for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
@@ -278,7 +318,9 @@ class Engine:
             "retract order (keep first): %s",
             [(r.rid, len(r.output_ids), len(r.origin_input_ids)) for r in ordered],
         )
-        reply = await self.mem.retract([r.row for r in ordered], mode="recompute")
+        to_host = self._offload_choices(ordered)
+        reply = await self.mem.retract([r.row for r in ordered], offload=to_host)
+        offloaded = {r.rid for r, host in zip(ordered, to_host, strict=True) if host}
         by_rid = {r.rid: r for r in ordered}
         for rid in reply.retracted:
             req = by_rid[rid]
@@ -286,8 +328,19 @@ class Engine:
             self.stats.retracted_reqs += 1
             self.stats.retracted_input_tokens += len(req.origin_input_ids)
             self.stats.retracted_output_tokens += len(req.output_ids)
+            host_copy = rid in offloaded
+            if host_copy:
+                self.stats.offloaded_reqs += 1
+                self.stats.offloaded_tokens += req.seq_len - 1
             req.reset_for_retract()
-            self.waiting.append(req)  # the tail: behind everything already queued
+            req.host_copy = host_copy
+            await self._requeue_retracted(req)
+        for rid in reply.offload_failed:
+            req = by_rid[rid]
+            self.running.remove(req)
+            self.stats.retracted_reqs += 1
+            req.reset_for_retract()
+            await self._offload_failed(req)
         if reply.last_does_not_fit and self.running:
             last = self.running[0]
             log.warning("retract_decode: aborted last request %s due to OOM", last.rid)
@@ -307,6 +360,24 @@ class Engine:
             tail,
         )
 
+    def _offload_choices(self, ordered: list[Req]) -> list[bool]:
+        """Per request of the victim order, whether its KV goes to the host store if retracted."""
+        mode = self.config.retract_mode
+        if mode != "auto":
+            return [mode == "offload"] * len(ordered)
+        # Victims are popped from the end: decide in that order, so host-store room
+        # goes to the first ones retracted.
+        choices = self.cost.choose_offload(ordered[::-1], self.mem.sizes.host_free)
+        return choices[::-1]
+
+    async def _requeue_retracted(self, req: Req) -> None:
+        """Normal mode: back to the tail of the waiting queue (re-prefill or host-store load)."""
+        self.waiting.append(req)
+
+    async def _offload_failed(self, req: Req) -> None:
+        """The host store could not take the victim: normal mode re-prefills it instead."""
+        await self._requeue_retracted(req)
+
     # -- endings -----------------------------------------------------------------
 
     async def _finish(self, req: Req) -> None:
@@ -324,9 +395,13 @@ class Engine:
         if self.chunked is req:
             self.chunked = None
         holds_kv = req.row is not None and req.state in (ReqState.PREFILLING, ReqState.RUNNING)
+        host_copy = req.host_copy and req.is_retracted
         req.abort(message, status_code)
         if holds_kv:
             await self.mem.free_row(req.rid)
+        if host_copy:  # retracted to the host store: its parked KV goes too
+            await self.mem.host_discard(req.rid)
+            req.host_copy = False
         self.stats.aborted_reqs += 1
         self.reqs.pop(req.rid, None)
         self.emit(req, True)

@@ -53,14 +53,18 @@ class HostStore:
         self._arena.view(np.uint8).reshape(-1)[::4096] = 0  # fault every OS page in now
         self._free: list[Extent] = [(0, self.num_pages)] if self.num_pages else []
         self._entries: dict[str, HostEntry] = {}
+        self._used_pages = 0  # kept as a count: every memsvc reply reports the free bytes
 
     @property
     def used_bytes(self) -> int:
-        return sum(entry.num_pages for entry in self._entries.values()) * self._page_bytes
+        return self._used_pages * self._page_bytes
 
     @property
     def free_bytes(self) -> int:
-        return sum(length for _, length in self._free) * self._page_bytes
+        return (self.num_pages - self._used_pages) * self._page_bytes
+
+    def free_extents(self) -> list[Extent]:
+        return list(self._free)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._entries
@@ -96,6 +100,7 @@ class HostStore:
             chunk = token_slots[token_start : token_start + length * page_size]
             self._buffers.copy_out(chunk, self._arena[first : first + length])
         self._entries[rid] = HostEntry(token_slots.size, extents)
+        self._used_pages += num_pages
         return num_pages * self._page_bytes
 
     def load(self, rid: str, new_token_slots: np.ndarray) -> int:
@@ -126,6 +131,7 @@ class HostStore:
     def discard(self, rid: str) -> None:
         entry = self._entry(rid)
         del self._entries[rid]
+        self._used_pages -= entry.num_pages
         self._give_back(entry.extents)
 
     def _token_starts(self, extents: list[Extent]) -> list[int]:

@@ -99,7 +99,13 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
             f"protected {pool.protected_size()} + held {held} != capacity {pool.capacity}"
         )
     host_bytes = sum(pool.host_store.entry_bytes(rid) for rid in pool.host_store.rids())
-    if host_bytes != pool.host_store.used_bytes or host_bytes > pool.host_store.capacity_bytes:
+    store = pool.host_store
+    listed_free = sum(length for _, length in store.free_extents()) * store.bytes_needed(page_size)
+    if (
+        host_bytes != store.used_bytes
+        or host_bytes > store.capacity_bytes
+        or listed_free != store.free_bytes
+    ):
         problems.append("host store byte accounting is off")
 
     if idle:

@@ -326,7 +326,11 @@ class KVPool:
         return self.available_size() >= needed
 
     def retract(
-        self, rows: Sequence[int] | np.ndarray, *, offload: bool, retract_decode_steps: int
+        self,
+        rows: Sequence[int] | np.ndarray,
+        *,
+        offload: bool | np.ndarray,
+        retract_decode_steps: int,
     ) -> RetractResult:
         """Release requests from the end of ``rows`` until the next decode step fits.
 

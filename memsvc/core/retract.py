@@ -24,14 +24,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RetractResult:
-    retracted: list[str]  # released (and offloaded, in offload mode), in retract order
+    retracted: list[str]  # released (and offloaded where asked), in retract order
     offload_failed: list[str]  # released without a host copy: the host store was full
     tokens_gained: int  # available + evictable after minus before
     last_does_not_fit: bool  # one request left and its next step still does not fit
 
 
 def retract_until_fits(
-    pool: KVPool, rows: Sequence[int] | np.ndarray, *, offload: bool, retract_decode_steps: int
+    pool: KVPool,
+    rows: Sequence[int] | np.ndarray,
+    *,
+    offload: bool | np.ndarray,
+    retract_decode_steps: int,
 ) -> RetractResult:
     """Release requests from the end of ``rows`` until the next decode step fits.
 
@@ -39,12 +43,16 @@ def retract_until_fits(
     keeping first. At least one request is retracted when there are two or
     more, the last one never is; after each release the tree gives up
     ``remaining × retract_decode_steps`` tokens (the shortfall only) so the
-    freed prefix is usable at once. With ``offload`` a victim's KV goes to the
-    host store first; a victim the store cannot take is released all the same
-    and reported in ``offload_failed`` (the scheduler aborts it). Retracted
-    requests are closed (their rows freed).
+    freed prefix is usable at once. With ``offload`` (a bool, or one per row) a
+    victim's KV goes to the host store first; a victim the store cannot take
+    is released all the same and reported in ``offload_failed`` (the scheduler
+    decides: abort it or re-prefill it). Retracted requests are closed (their
+    rows freed).
     """
     order = pool.check_rows(np.asarray(rows)).tolist()
+    to_host = dict.fromkeys(order, offload) if isinstance(offload, bool) else None
+    if to_host is None:
+        to_host = dict(zip(order, np.asarray(offload, dtype=bool).tolist(), strict=True))
     tokens_before = pool.available_size() + pool.evictable_size()
     retracted: list[str] = []
     offload_failed: list[str] = []
@@ -53,9 +61,10 @@ def retract_until_fits(
         if len(order) <= 1:
             break
         first = False
-        rid = pool.rid_of_row(order.pop())
+        row = order.pop()
+        rid = pool.rid_of_row(row)
         victims = retracted
-        if offload:
+        if to_host[row]:
             try:
                 pool.offload(rid)
             except HostStoreFullError:

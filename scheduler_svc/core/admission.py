@@ -199,6 +199,25 @@ class PrefillAdder:
 
     # -- admission -------------------------------------------------------------
 
+    def add_resumed_req(self, req: Req) -> bool:
+        """A retracted request whose KV comes back from the host store: no compute.
+
+        It needs slots for all but its last token at once, plus the usual
+        reservation for what it may still generate; admitted (and charged) if
+        that fits, else nothing changes.
+        """
+        kv_len = req.seq_len - 1
+        max_new = self.clipped_max_new(req)
+        if self.num_free_request_slots <= 0 or self.budget_state() is not AddResult.CONTINUE:
+            return False
+        if self.charge(kv_len, max_new) >= self.remaining_total_tokens:
+            return False
+        paged = ceil_page(kv_len, self.page_size)
+        self.admitted_offset += paged + self.page_size + max_new
+        self.current_offset += paged + self.page_size
+        self.admitted.append(Admission(req, kv_len, 0))
+        return True
+
     def add_chunked_req(self, req: Req) -> AddDecision:
         """Admit the next chunk of the in-progress chunked prefill. Always admitted.
 

@@ -15,6 +15,13 @@ from scheduler_svc.core.errors import ConfigError
 
 RetractionPolicy = Literal["length", "priority"]
 RETRACTION_POLICIES: tuple[str, ...] = ("length", "priority")
+# What happens to a victim's KV: dropped and recomputed (SGLang's normal mode),
+# parked in the host store and loaded back (SGLang's PD decode), or per victim
+# whichever the cost model says is cheaper.
+RETRACT_MODES: tuple[str, ...] = ("recompute", "offload", "auto")
+# PD decode: a victim the host store cannot take is aborted (SGLang) or re-prefilled
+# through the prefill node.
+PD_RETRACT_FALLBACKS: tuple[str, ...] = ("abort", "recompute")
 
 
 def _parse_bool(value: str) -> bool:
@@ -56,6 +63,10 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     speculative: bool = False
+    retract_mode: str = "recompute"
+    # PD decode node: tokens reserved per active request at preallocation (SGLang's 512).
+    num_reserved_decode_tokens: int = 512
+    pd_retract_fallback: str = "abort"
     # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
@@ -96,6 +107,19 @@ class SchedulerConfig:
             problems.append(
                 "retraction_policy='priority' requires enable_priority_scheduling=True "
                 "(requests carry no usable priority otherwise)"
+            )
+        if self.retract_mode not in RETRACT_MODES:
+            problems.append(
+                f"retract_mode must be one of {RETRACT_MODES}, got {self.retract_mode!r}"
+            )
+        if self.pd_retract_fallback not in PD_RETRACT_FALLBACKS:
+            problems.append(
+                f"pd_retract_fallback must be one of {PD_RETRACT_FALLBACKS}, "
+                f"got {self.pd_retract_fallback!r}"
+            )
+        if self.num_reserved_decode_tokens < 0:
+            problems.append(
+                f"num_reserved_decode_tokens must be >= 0, got {self.num_reserved_decode_tokens}"
             )
         if self.init_new_token_ratio < 0 or self.min_new_token_ratio_factor < 0:
             problems.append(

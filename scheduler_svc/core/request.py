@@ -6,7 +6,8 @@
        │                        │  ▲  continue_prefill (next chunk)  │ reset_for_retract
        │                        └──┘                                 ▼
        │       RETRACTED ──start_prefill (re-prefill origin + output)──► PREFILLING
-       │       RETRACTED ──resume (PD: KV loaded back from the host)───► RUNNING
+       │       RETRACTED ──resume (KV loaded back from the host store)─► RUNNING
+       ├── commit_transfer (PD decode: the prompt's KV arrived) ──────► RUNNING
        └── abort ──► ABORTED        PREFILLING | RUNNING ──check_finished──► FINISHED
 
 Token regions of one prefill round (``fill_ids = origin_input_ids + output_ids``)::
@@ -44,7 +45,7 @@ class ReqState(IntEnum):
 
 _S = ReqState
 TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
-    _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
+    _S.WAITING: frozenset({_S.PREFILLING, _S.RUNNING, _S.ABORTED}),
     # PREFILLING -> RETRACTED: pause-retract takes the in-progress chunk too.
     _S.PREFILLING: frozenset({_S.PREFILLING, _S.RUNNING, _S.RETRACTED, _S.FINISHED, _S.ABORTED}),
     _S.RUNNING: frozenset({_S.RETRACTED, _S.FINISHED, _S.ABORTED}),
@@ -113,6 +114,8 @@ class Req:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     priority: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    # PD mode: the room that pairs this request's prefill and decode sides.
+    bootstrap_room: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     state: ReqState = field(default=ReqState.WAITING, init=False)
@@ -124,6 +127,8 @@ class Req:
     is_chunked: bool = field(default=False, init=False)
     extend_in_flight: bool = field(default=False, init=False)
     already_computed: int = field(default=0, init=False)
+    # Retracted with its KV (all but the last token) parked in memsvc's host store.
+    host_copy: bool = field(default=False, init=False)
     # Sticky accounting.
     retraction_count: int = field(default=0, init=False)
     retracted_stain: bool = field(default=False, init=False)
@@ -267,12 +272,31 @@ class Req:
         self._move(target)
 
     def resume(self, row: int) -> None:
-        """PD decode: the retracted KV (all but the last token) was loaded into ``row``."""
+        """The retracted KV (all but the last token) is back in ``row``: decode on.
+
+        From the host store, or (PD) re-prefilled by the prefill node.
+        """
         target = ReqState.RUNNING
         self._require(self.is_retracted and bool(self.output_ids), target, "nothing to resume")
         self._move(target)
         self.row = row
         self.kv_len = self.seq_len - 1
+        self.host_copy = False
+
+    def commit_transfer(self, row: int, first_token: int, cached_tokens: int = 0) -> None:
+        """PD decode: the prompt's KV arrived in ``row`` with the token the prefill sampled."""
+        target = ReqState.RUNNING
+        self._require(
+            self.state is ReqState.WAITING and not self.output_ids, target, "not awaiting a prefill"
+        )
+        self._move(target)
+        self.row = row
+        self.kv_len = len(self.origin_input_ids)
+        self.cached_tokens = cached_tokens
+        self.output_ids.append(first_token)
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+        self.first_token_time = time.monotonic()
 
     def reset_for_retract(self) -> None:
         """Retracted: forget the attempt, keep what was generated.

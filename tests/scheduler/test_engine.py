@@ -190,3 +190,67 @@ def test_ratio_decays_on_clean_steps_and_is_set_after_a_retract(service) -> None
         service.pool.check_integrity(idle=True)
 
     run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["offload", "auto"])
+def test_offload_mode_brings_victims_back_from_the_host_store(service, mode) -> None:
+    async def scenario() -> None:
+        h = await Harness(
+            service, test_retract=True, test_retract_interval=2, retract_mode=mode
+        ).start()
+        if mode == "auto":  # make offload the cheaper way back for every victim
+            h.engine.cost.copy_bytes_per_s = 1e15
+        prompts = {f"r{i}": [i + 1] * (3 + 2 * i) for i in range(6)}
+        for rid, prompt in prompts.items():
+            h.submit(rid, prompt, 12)
+        await h.run()
+        stats = h.engine.stats
+        assert stats.retracted_reqs > 0
+        assert stats.offloaded_reqs == stats.retracted_reqs == stats.loaded_reqs
+        assert stats.reprefilled_tokens == 0  # nothing recomputed: every victim was loaded
+        for rid, prompt in prompts.items():
+            assert h.done[rid].output_ids == expected_output(prompt, 12), rid
+        assert len(service.pool.host_store) == 0
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_auto_mode_recomputes_when_copying_costs_more(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(
+            service, test_retract=True, test_retract_interval=2, retract_mode="auto"
+        ).start()
+        h.engine.cost.copy_bytes_per_s = 1.0  # copying is hopeless
+        for i in range(4):
+            h.submit(f"r{i}", [i + 1] * 9, 10)
+        await h.run()
+        assert h.engine.stats.retracted_reqs > 0
+        assert h.engine.stats.offloaded_reqs == 0
+        assert h.engine.stats.reprefilled_tokens > 0
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
+def test_aborting_a_request_parked_in_the_host_store_discards_its_copy(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(
+            service, test_retract=True, test_retract_interval=1, retract_mode="offload"
+        ).start()
+        h.submit("keep", [1, 2, 3, 4, 5, 6, 7, 8], 30)
+        victim = h.submit("victim", [9] * 20, 30)
+        for _ in range(200):
+            await h.engine.step()
+            if victim.state is ReqState.RETRACTED:
+                break
+        assert victim.host_copy and "victim" in service.pool.host_store
+        partial = list(victim.output_ids)
+        assert h.engine.abort("victim")
+        await h.engine.step()
+        assert h.done["victim"].output_ids == partial
+        assert "victim" not in service.pool.host_store
+        await h.run()
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())

@@ -135,7 +135,7 @@ def _aborted() -> Req:
 def test_transition_table():
     S = ReqState
     expected = {
-        S.WAITING: {S.PREFILLING, S.ABORTED},
+        S.WAITING: {S.PREFILLING, S.RUNNING, S.ABORTED},  # RUNNING: PD commit_transfer
         S.PREFILLING: {S.PREFILLING, S.RUNNING, S.RETRACTED, S.FINISHED, S.ABORTED},
         S.RUNNING: {S.RETRACTED, S.FINISHED, S.ABORTED},
         S.RETRACTED: {S.PREFILLING, S.RUNNING, S.ABORTED},
@@ -274,3 +274,23 @@ def test_request_validation():
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=-1)
     assert SamplingParams(stop_token_ids=[1, 2, 2]).stop_token_ids == frozenset({1, 2})
+
+
+def test_commit_transfer_starts_decoding_with_the_prefill_token():
+    req = make_req("r", input_len=8, max_new_tokens=50)
+    req.commit_transfer(row=3, first_token=77, cached_tokens=4)
+    assert req.state is ReqState.RUNNING
+    assert (req.row, req.kv_len, req.output_ids, req.cached_tokens) == (3, 8, [77], 4)
+    assert req.kv_len == req.seq_len - 1  # the next decode step writes token 77's KV
+    with pytest.raises(IllegalTransitionError):
+        req.commit_transfer(row=3, first_token=78)
+
+
+def test_resume_from_host_clears_the_host_copy():
+    req = make_req("r", input_len=8, max_new_tokens=50)
+    req.commit_transfer(row=3, first_token=77)
+    req.append_token(78)
+    req.reset_for_retract()
+    req.host_copy = True
+    req.resume(row=5)
+    assert (req.state, req.row, req.kv_len, req.host_copy) == (ReqState.RUNNING, 5, 9, False)

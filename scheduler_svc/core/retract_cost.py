@@ -1,0 +1,72 @@
+"""Per-victim choice between recompute and offload (``--retract-mode auto``).
+
+Bringing a retracted request back costs either a re-prefill of what the
+prefix tree no longer holds, or two copies of its KV (out to the host store
+now, back in on re-admission). Both rates are learned online from what this
+scheduler observes; until it has seen any, the defaults below (the bundled
+model on one CPU core, ``bench/model_step.py`` / ``bench/offload_bw.py``)
+apply::
+
+    recompute_s = tokens_to_recompute / prefill_tokens_per_s
+    offload_s   = 2 × kv_bytes / copy_bytes_per_s        (only if the host store has room)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.core.admission import floor_page
+from scheduler_svc.core.request import Req
+
+# Weight of a new observation in the running averages.
+EMA_WEIGHT = 0.2
+
+
+def _ema(old: float, new: float) -> float:
+    return old + EMA_WEIGHT * (new - old)
+
+
+@dataclass
+class RetractCostModel:
+    bytes_per_token: int
+    page_size: int
+    prefill_tokens_per_s: float = 10_000.0
+    copy_bytes_per_s: float = 4e9
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, tokens / seconds)
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.copy_bytes_per_s = _ema(self.copy_bytes_per_s, nbytes / seconds)
+
+    def kv_bytes(self, req: Req) -> int:
+        """What an offload of ``req`` now moves: the KV of all but its last token."""
+        return max(req.seq_len - 1, 0) * self.bytes_per_token
+
+    def recompute_s(self, req: Req) -> float:
+        # The prompt was published to the tree after its prefill; under the
+        # pressure that causes a retract it may be evicted before the request
+        # returns, so only half of it is counted as a likely hit.
+        likely_hit = floor_page(len(req.origin_input_ids), self.page_size) // 2
+        return max(req.seq_len - likely_hit, 1) / self.prefill_tokens_per_s
+
+    def offload_s(self, req: Req) -> float:
+        return 2 * self.kv_bytes(req) / self.copy_bytes_per_s
+
+    def choose_offload(self, victims: list[Req], host_free_bytes: int) -> list[bool]:
+        """Per victim (in the order they would be retracted), whether to offload it.
+
+        A victim is offloaded when that is cheaper and the host store still
+        has room after the victims before it that were offloaded.
+        """
+        room = host_free_bytes
+        choices = []
+        for req in victims:
+            need = self.kv_bytes(req)
+            offload = need <= room and self.offload_s(req) < self.recompute_s(req)
+            if offload:
+                room -= need
+            choices.append(offload)
+        return choices
