@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from memsvc.server import (
     check_listen_address,
     default_listen_address,
 )
+from memsvc.transfer import TransferAgent
 
 log = logging.getLogger("memsvc")
 
@@ -94,6 +96,38 @@ def build_parser() -> argparse.ArgumentParser:
         "(env SGLANG_RETRACT_DECODE_STEPS)",
     )
 
+    pd = parser.add_argument_group("PD disaggregation (KV transfer between two memsvc)")
+    pd.add_argument(
+        "--pd-role",
+        choices=["none", "prefill", "decode"],
+        default="none",
+        help="prefill: send prompt KV to the decode node's memsvc (--transfer-peer); "
+        "decode: receive it (--transfer-listen)",
+    )
+    pd.add_argument(
+        "--transfer-backend",
+        choices=["auto", "nixl", "zmq"],
+        default="auto",
+        help="nixl: NIXL/UCX writes straight into the peer's pool; zmq: raw bytes frames; "
+        "auto: nixl if the nixl-cu12 wheel is installed, else zmq",
+    )
+    pd.add_argument(
+        "--transfer-listen",
+        default=None,
+        help="decode role: where prefill-node memsvc connect (tcp://HOST:PORT or ipc://PATH)",
+    )
+    pd.add_argument(
+        "--transfer-peer",
+        default=None,
+        help="prefill role: the decode-node memsvc's --transfer-listen address",
+    )
+    pd.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a word from the peer memsvc before its transfers fail",
+    )
+
     net = parser.add_argument_group("service")
     net.add_argument(
         "--curve-secret-key",
@@ -125,6 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_service_args(net, ready_fields="address, epoch, pid, metrics_port")
     return parser
+
+
+def make_transfer_agent(args: argparse.Namespace, pool: KVPool, epoch: str) -> TransferAgent:
+    backend = args.transfer_backend
+    if backend == "auto":
+        backend = "nixl" if importlib.util.find_spec("nixl_cu12") else "zmq"
+    if args.transfer_listen:
+        check_listen_address(args.transfer_listen, allow_remote=args.allow_remote)
+    agent = TransferAgent(
+        pool,
+        role=args.pd_role,
+        backend=backend,
+        epoch=epoch,
+        listen=args.transfer_listen,
+        peer=args.transfer_peer,
+        peer_timeout_s=args.transfer_timeout,
+    )
+    log.info("PD %s role, %s transfer backend", args.pd_role, backend)
+    return agent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics,
         )
         metrics.watch(service)
+        if args.pd_role != "none":
+            service.transfer = make_transfer_agent(args, pool, service.epoch)
         curve = (
             CurveServerKeys(args.curve_secret_key, args.curve_clients)
             if args.curve_secret_key
@@ -193,8 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             curve=curve,
             ready_file=args.ready_file,
             ready_info={"epoch": service.epoch, "metrics_port": metrics_port},
+            extension=service.transfer,
         )
         asyncio.run(server.run())
+    except MemsvcError as exc:
+        print(f"memsvc: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()

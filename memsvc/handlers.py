@@ -24,6 +24,7 @@ from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.metrics import Metrics
 from memsvc.sessions import NotOwnerError, Session, SessionTable
+from memsvc.transfer import TransferAgent
 
 log = logging.getLogger("memsvc")
 
@@ -60,7 +61,12 @@ class MemService:
             "offload": self._offload,
             "load": self._load,
             "host_discard": self._host_discard,
+            "pd_expect": self._pd_expect,
+            "pd_send": self._pd_send,
+            "pd_status": self._pd_status,
+            "pd_forget": self._pd_forget,
         }
+        self.transfer: TransferAgent | None = None  # set when memsvc has a PD role
 
     # -- the edge --------------------------------------------------------------
 
@@ -166,6 +172,8 @@ class MemService:
         """Free everything the session holds: rows, pages, locks, host-store entries."""
         rids = self.sessions.close(session)
         for rid in rids:
+            if self.transfer is not None:
+                self.transfer.forget_rid(rid)
             if self.pool.is_open(rid):
                 self.pool.release(rid, is_insert=False)
             if rid in self.pool.host_store:
@@ -219,6 +227,7 @@ class MemService:
             "host_store_free_bytes": pool.host_store.free_bytes,
             "host_store_entries": len(pool.host_store),
             "sessions": len(self.sessions),
+            "transfer": self.transfer.stats() if self.transfer else None,
             "counters": self.metrics.counters(),
         }, None
 
@@ -315,6 +324,45 @@ class MemService:
         self.pool.host_discard(msg.rid)
         self._settle(msg.rid)
         return {}, None
+
+    # -- PD transfer -------------------------------------------------------------
+
+    def _agent(self) -> TransferAgent:
+        if self.transfer is None:
+            raise InvalidArgumentError("this memsvc has no PD role (start it with --pd-role)")
+        return self.transfer
+
+    def _pd_expect(self, session: Session, msg: p.PdExpect) -> Reply:
+        self._own(session, msg.rid)
+        agent = self._agent()
+        agent.expect(msg.rid, msg.room)
+        agent.rooms[msg.room].owner = session.num
+        return {}, None
+
+    def _pd_send(self, session: Session, msg: p.PdSend) -> Reply:
+        self._own(session, msg.rid)
+        agent = self._agent()
+        agent.send(msg.rid, msg.room, msg.num_tokens, msg.first_token, msg.cached_tokens)
+        agent.rooms[msg.room].owner = session.num
+        return {}, None
+
+    def _pd_status(self, session: Session, msg: p.PdStatus) -> Reply:
+        agent = self._agent()
+        rooms = msg.rooms.tolist()
+        self._own_rooms(session, agent, rooms)
+        return {"rooms": [agent.report(r) for r in rooms]}, None
+
+    def _pd_forget(self, session: Session, msg: p.PdForget) -> Reply:
+        agent = self._agent()
+        rooms = msg.rooms.tolist()
+        self._own_rooms(session, agent, rooms)
+        agent.forget(rooms)
+        return {}, None
+
+    @staticmethod
+    def _own_rooms(session: Session, agent: TransferAgent, rooms: list[int]) -> None:
+        if any(r in agent.rooms and agent.rooms[r].owner != session.num for r in rooms):
+            raise NotOwnerError("a room belongs to another session's request")
 
 
 def _best_effort_op_id(frames: list[bytes]) -> int | None:

@@ -171,5 +171,33 @@ class _Ops:
         """Load ``rid``'s offloaded KV into fresh slots of its (empty) row -> AllocResult."""
         return self._invoke(_Call("load", {"rid": rid}, None, _alloc_result))
 
+    # -- PD transfer (memsvc with --pd-role) --------------------------------------
+
+    def pd_expect(self, rid: str, room: int) -> Any:
+        """Decode side: ``rid``'s allocated slots wait for ``room``'s prompt KV."""
+        return self._invoke(_Call("pd_expect", {"rid": rid, "room": room}, None, _nothing))
+
+    def pd_send(
+        self, rid: str, room: int, num_tokens: int, first_token: int, cached_tokens: int = 0
+    ) -> Any:
+        """Prefill side: send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side."""
+        fields = {
+            "rid": rid,
+            "room": room,
+            "num_tokens": num_tokens,
+            "first_token": first_token,
+            "cached_tokens": cached_tokens,
+        }
+        return self._invoke(_Call("pd_send", fields, None, _nothing))
+
+    def pd_status(self, rooms: Sequence[int]) -> Any:
+        """Each room's state: dicts with ``state`` (KVPoll), ``why``, ``first_token``..."""
+        return self._invoke(
+            _Call("pd_status", {}, {"rooms": _as_array(rooms)}, lambda h, a: h["rooms"])
+        )
+
+    def pd_forget(self, rooms: Sequence[int]) -> Any:
+        return self._invoke(_Call("pd_forget", {}, {"rooms": _as_array(rooms)}, _nothing))
+
     def host_discard(self, rid: str) -> Any:
         return self._invoke(_Call("host_discard", {"rid": rid}, None, _nothing))

@@ -168,6 +168,44 @@ class HostDiscard(Message):
     rid: RequestId
 
 
+# -- PD disaggregation (memsvc started with --pd-role) ------------------------------
+
+Room = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class PdExpect(Message):
+    """Decode side: ``rid``'s allocated slots receive the prompt KV of ``room``."""
+
+    op: Literal["pd_expect"]
+    rid: RequestId
+    room: Room
+
+
+class PdSend(Message):
+    """Prefill side: send the KV of ``rid``'s first ``num_tokens`` positions to ``room``."""
+
+    op: Literal["pd_send"]
+    rid: RequestId
+    room: Room
+    num_tokens: int = Field(ge=1)
+    first_token: int = Field(ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+
+
+class PdStatus(Message):
+    """Either side: the state of each room (KVPoll: 0 failed ... 4 success)."""
+
+    op: Literal["pd_status"]
+    rooms: IntArray
+
+
+class PdForget(Message):
+    """Either side: drop rooms (cancelling any still in flight)."""
+
+    op: Literal["pd_forget"]
+    rooms: IntArray
+
+
 Request = Annotated[
     Hello
     | Heartbeat
@@ -184,7 +222,11 @@ Request = Annotated[
     | Retract
     | Offload
     | Load
-    | HostDiscard,
+    | HostDiscard
+    | PdExpect
+    | PdSend
+    | PdStatus
+    | PdForget,
     Field(discriminator="op"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
@@ -207,6 +249,9 @@ MUTATING_OPS = frozenset(
         "load",
         "host_discard",
         "goodbye",
+        "pd_expect",
+        "pd_send",
+        "pd_forget",
     }
 )
 

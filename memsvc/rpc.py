@@ -49,6 +49,8 @@ def request(
                 header = p.unpack(sock.recv_multipart())
             except zmq.Again:
                 break
+            except p.ProtocolError:
+                continue  # a reply damaged in transit is no reply: keep waiting, then retry
             if header.get("op_id") == op_id:
                 return header
     raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")
@@ -64,7 +66,10 @@ async def request_async(
         while (left := deadline - time.monotonic()) > 0:
             if not await sock.poll(left * 1000):
                 break
-            header = p.unpack(await sock.recv_multipart())
+            try:
+                header = p.unpack(await sock.recv_multipart())
+            except p.ProtocolError:
+                continue  # a reply damaged in transit is no reply: keep waiting, then retry
             if header.get("op_id") == op_id:
                 return header
     raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 
@@ -68,6 +69,20 @@ def check_listen_address(address: str, *, allow_remote: bool) -> None:
         )
 
 
+class Extension(Protocol):
+    """More sockets served on the socket thread (memsvc's PD transfer agent)."""
+
+    def open(self, ctx: zmq.Context) -> list[zmq.Socket]: ...
+
+    def on_readable(self, sock: zmq.Socket) -> None: ...
+
+    def progress(self, now: float) -> float:
+        """Do what is due; seconds until it next wants to run."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class ServiceShell:
     """Serves a request handler on a ROUTER socket until SIGTERM / SIGINT or :meth:`request_stop`.
 
@@ -92,8 +107,10 @@ class ServiceShell:
         curve: CurveServerKeys | None = None,
         ready_file: str | None = None,
         ready_info: dict | None = None,
+        extension: Extension | None = None,
     ) -> None:
         self.name = name
+        self.extension = extension
         self.handle = handle
         self.listen = listen
         self.tick = tick
@@ -164,16 +181,21 @@ class ServiceShell:
             if self.curve:
                 auth = self._start_curve(sock)
             sock.bind(self.listen)
+            extra = self.extension.open(self._ctx) if self.extension else []
         except BaseException as exc:
             error = exc
         on_started(error)
         try:
-            if error is None:
+            if error is None and self.extension is not None:
+                self._serve_with(sock, extra)
+            elif error is None:
                 self._serve(sock)
         except BaseException as exc:  # a bug in the loop: stop the service, say why
             log.exception("%s socket thread failed", self.name)
             error = exc
         finally:
+            if self.extension is not None:
+                self.extension.close()
             sock.close(0)
             if auth is not None:
                 auth.stop()
@@ -201,6 +223,36 @@ class ServiceShell:
                 if now >= next_tick:
                     tick(now)
                     next_tick = now + self.tick_interval_s
+
+    def _serve_with(self, sock: zmq.Socket, extra: list[zmq.Socket]) -> None:
+        """The loop with an extension: poll every socket, give the extension its turns."""
+        handle, tick, extension = self.handle, self.tick, self.extension
+        poller = zmq.Poller()
+        for s in (sock, *extra):
+            poller.register(s, zmq.POLLIN)
+        next_tick = time.monotonic() + self.tick_interval_s
+        wake = 0.0
+        while not self._stopping.is_set():
+            timeout = min(wake, self.tick_interval_s)
+            for ready, _ in poller.poll(max(0, int(timeout * 1000))):
+                if ready is not sock:
+                    extension.on_readable(ready)
+                    continue
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if len(frames) >= 2:
+                        try:
+                            sock.send_multipart([frames[0], *handle(frames[1:])], zmq.NOBLOCK)
+                        except zmq.Again:
+                            log.warning("reply dropped: the client's queue is full")
+            now = time.monotonic()
+            wake = extension.progress(now)
+            if tick is not None and now >= next_tick:
+                tick(now)
+                next_tick = now + self.tick_interval_s
 
     def _start_curve(self, sock: zmq.Socket):
         import zmq.auth

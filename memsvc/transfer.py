@@ -1,0 +1,534 @@
+"""PD disaggregation: moving a prompt's KV pages from memsvc-P to memsvc-D.
+
+The schedulers only drive it; the two memsvc processes talk to each other
+directly. memsvc-P connects a DEALER to memsvc-D's transfer socket
+(``--transfer-listen``)::
+
+    scheduler-D: alloc_row + alloc_extend (the prompt's slots) -> pd_expect(rid, room)
+    scheduler-P: prefill, sample the first token              -> pd_send(rid, room, ...)
+
+    memsvc-P ── query(room) ─────────────────────────► memsvc-D   (until D expects the room)
+             ◄─ ready(rid, tokens, pages, layout, nixl agent) ─
+             ══ pages: NIXL WRITE into D's pool, or zmq data frames ══►
+             ── done(room, rid, tokens, first token, cached) ─► validated against the room
+             ◄─ ack(ok | why) ─────────────────────────────────
+
+    each scheduler polls its side (pd_status / pd_poll) and acts on Success / Failed
+
+Per-room state (SGLang's ``KVPoll``): Bootstrapping -> WaitingForInput ->
+Transferring -> Success, or Failed with a reason. memsvc-P says hello every
+:data:`HELLO_INTERVAL_S`; a decode side that hears nothing from any prefill
+peer for ``peer_timeout_s`` fails its waiting rooms ("prefill node
+unreachable"), and a prefill side whose peer stops answering fails its sends.
+
+Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
+``extension``), like every op, so it needs no locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from memsvc.core.backends.base import aligned_pages
+from memsvc.core.errors import InvalidArgumentError, MemsvcError
+from memsvc.core.pool import KVPool
+
+log = logging.getLogger("memsvc.transfer")
+
+HELLO_INTERVAL_S = 0.5
+QUERY_RETRY_S = (0.002, 0.1)  # first and longest wait between queries for a room not yet expected
+CHUNK_PAGES = 64  # pages per zmq data frame
+TRANSFER_BACKENDS = ("nixl", "zmq")
+
+
+class KVPoll(IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+class TransferNotEnabledError(MemsvcError):
+    code = "invalid_argument"
+
+
+def page_geometry(pool: KVPool) -> list[Any]:
+    """What must agree between two pools for their pages to be interchangeable."""
+    layout = pool.buffers.layout
+    return [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype]
+
+
+def _pack(header: dict[str, Any], payload: bytes | memoryview | None = None) -> list:
+    frames: list = [msgpack.packb(header, use_bin_type=True)]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+@dataclass
+class Room:
+    """One request's transfer, on either side."""
+
+    room: int
+    rid: str
+    pages: np.ndarray
+    num_tokens: int
+    state: KVPoll
+    created: float
+    why: str = ""
+    first_token: int = -1
+    cached_tokens: int = 0
+    # prefill side
+    next_query: float = 0.0
+    query_wait: float = QUERY_RETRY_S[0]
+    waiting_since: float = 0.0  # when the last message that expects an answer went out
+    handle: Any = None
+    started: float = 0.0
+    # decode side
+    pages_received: int = 0
+    bytes: int = field(default=0)
+    owner: int = 0  # the memsvc session whose request this is
+
+    def fail(self, why: str) -> None:
+        if self.state is not KVPoll.SUCCESS:
+            self.state, self.why = KVPoll.FAILED, why
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "room": self.room,
+            "rid": self.rid,
+            "state": int(self.state),
+            "why": self.why,
+            "first_token": self.first_token,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+class NixlMover:
+    """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool."""
+
+    name = "nixl"
+
+    def __init__(self, pool: KVPool, agent_name: str) -> None:
+        try:
+            from nixl_cu12 import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise InvalidArgumentError(
+                "--transfer-backend nixl needs the nixl-cu12 wheel "
+                "(pip install 'kvstack[nixl]'), or use --transfer-backend zmq"
+            ) from exc
+        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        kv = pool.buffers.kv
+        self.base = int(kv.ctypes.data)
+        self.page_bytes = pool.buffers.layout.bytes_per_page
+        self.agent.register_memory([(self.base, kv.nbytes, 0, "")], "DRAM")
+        self._remotes: dict[str, str] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "agent": self.agent.name,
+            "meta": self.agent.get_agent_metadata(),
+            "base": self.base,
+        }
+
+    def _descs(self, base: int, pages: np.ndarray) -> np.ndarray:
+        descs = np.zeros((pages.size, 3), dtype=np.uint64)
+        descs[:, 0] = base + pages.astype(np.uint64) * self.page_bytes
+        descs[:, 1] = self.page_bytes
+        return descs
+
+    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+        name = dest["agent"]
+        if name not in self._remotes:
+            self._remotes[name] = self.agent.add_remote_agent(dest["meta"])
+        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages), "DRAM")
+        remote = self.agent.get_xfer_descs(self._descs(int(dest["base"]), dst_pages), "DRAM")
+        room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
+        if self.agent.transfer(room.handle) == "ERR":
+            raise RuntimeError("NIXL refused to post the transfer")
+
+    def poll(self, room: Room) -> str:
+        state = self.agent.check_xfer_state(room.handle)
+        if state != "PROC":
+            self.agent.release_xfer_handle(room.handle)
+            room.handle = None
+        return state
+
+    def close(self) -> None:
+        for name in self._remotes.values():
+            with contextlib.suppress(Exception):  # best effort on the way out
+                self.agent.remove_remote_agent(name)
+
+
+class ZmqMover:
+    """Pages as raw bytes frames on the peer socket (the fallback without NIXL)."""
+
+    name = "zmq"
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+        kv = self.pool.buffers.kv
+        for start in range(0, room.pages.size, CHUNK_PAGES):
+            chunk = room.pages[start : start + CHUNK_PAGES]
+            payload = np.ascontiguousarray(kv[chunk])  # one gather into the frame
+            peer.send_multipart(_pack({"t": "data", "room": room.room, "start": start}, payload))
+
+    def poll(self, room: Room) -> str:
+        return "DONE"
+
+    def close(self) -> None:
+        pass
+
+
+class TransferAgent:
+    """One memsvc's side of PD transfers (``role`` ``prefill`` or ``decode``)."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        role: str,
+        backend: str,
+        epoch: str,
+        listen: str | None = None,
+        peer: str | None = None,
+        peer_timeout_s: float = 5.0,
+    ) -> None:
+        if role == "decode" and not listen:
+            raise InvalidArgumentError("a decode-role memsvc needs --transfer-listen")
+        if role == "prefill" and not peer:
+            raise InvalidArgumentError("a prefill-role memsvc needs --transfer-peer")
+        if backend not in TRANSFER_BACKENDS:
+            raise InvalidArgumentError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}")
+        self.pool, self.role, self.listen, self.peer_address = pool, role, listen, peer
+        self.peer_timeout_s = peer_timeout_s
+        self.page_size = pool.page_size
+        self.mover = (
+            NixlMover(pool, f"kvstack-{role}-{epoch}") if backend == "nixl" else ZmqMover(pool)
+        )
+        self.rooms: dict[int, Room] = {}
+        self.sock: zmq.Socket | None = None
+        self.last_peer_seen = time.monotonic()
+        self.next_hello = 0.0
+        self.counters = {"success": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    @property
+    def backend(self) -> str:
+        return self.mover.name
+
+    # -- the ServiceShell extension ----------------------------------------------
+
+    def open(self, ctx: zmq.Context) -> list[zmq.Socket]:
+        if self.role == "decode":
+            self.sock = ctx.socket(zmq.ROUTER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.bind(self.listen)
+        else:
+            self.sock = ctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.connect(self.peer_address)
+        return [self.sock]
+
+    def on_readable(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            identity = frames.pop(0) if self.role == "decode" else None
+            try:
+                header = msgpack.unpackb(frames[0], raw=False)
+                if not isinstance(header, dict):
+                    raise ValueError("header is not a map")
+                self._on_peer(identity, header, frames[1:])
+            except Exception as exc:  # garbage from a peer: drop it, keep serving
+                log.warning("dropped a malformed transfer message: %s", exc)
+
+    def progress(self, now: float) -> float:
+        """Advance what waits on time; returns seconds until it wants to run again."""
+        wake = 0.25
+        if self.role == "prefill":
+            if now >= self.next_hello:
+                self.sock.send_multipart(_pack({"t": "hello"}))
+                self.next_hello = now + HELLO_INTERVAL_S
+            for room in list(self.rooms.values()):
+                wake = min(wake, self._advance_send(room, now))
+        else:
+            silent = now - self.last_peer_seen
+            if silent > self.peer_timeout_s:
+                for room in self.rooms.values():
+                    if (
+                        room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
+                        and now - room.created > self.peer_timeout_s
+                    ):
+                        self._finish(room, f"prefill node unreachable for {silent:.1f}s")
+        return max(wake, 0.0)
+
+    def close(self) -> None:
+        self.mover.close()
+        if self.sock is not None:
+            self.sock.close(0)
+
+    # -- decode side ---------------------------------------------------------------
+
+    def expect(self, rid: str, room_id: int) -> None:
+        """The prompt's slots are allocated in ``rid``'s row: wait for them to be written."""
+        self._need("decode")
+        if room_id in self.rooms:
+            raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
+        req = self.pool.request(rid)
+        slots = self.pool.slots(rid, 0, req.kv_len)
+        pages = aligned_pages(slots, self.page_size)
+        if pages is None or req.kv_len == 0:
+            raise InvalidArgumentError(f"{rid!r} holds no page-aligned slots to receive into")
+        now = time.monotonic()
+        self.rooms[room_id] = Room(
+            room_id, rid, pages, req.kv_len, KVPoll.WAITING_FOR_INPUT, created=now
+        )
+
+    def _on_peer(self, identity: bytes | None, header: dict, payload: list[bytes]) -> None:
+        kind = header.get("t")
+        if self.role == "prefill":
+            self._on_decode_reply(kind, header)
+            return
+        self.last_peer_seen = time.monotonic()
+        room = self.rooms.get(header.get("room"))
+        if kind == "hello":
+            return
+        if kind == "query":
+            self._answer_query(identity, room, header)
+        elif kind == "data":
+            self._receive_data(room, int(header["start"]), payload)
+        elif kind == "done":
+            ok, why = self._check_done(room, header)
+            if room is not None and room.state is not KVPoll.FAILED:
+                if ok:
+                    room.first_token = int(header["first_token"])
+                    room.cached_tokens = int(header.get("cached_tokens", 0))
+                self._finish(room, None if ok else why)
+            self.sock.send_multipart(
+                [identity, *_pack({"t": "ack", "room": header.get("room"), "ok": ok, "why": why})]
+            )
+        elif kind == "abort" and room is not None:
+            self._finish(room, f"prefill side gave up: {header.get('why', '')}")
+
+    def _answer_query(self, identity: bytes, room: Room | None, header: dict) -> None:
+        room_id = header.get("room")
+        if room is None:
+            reply = {"t": "not_ready", "room": room_id}
+        elif room.state is KVPoll.FAILED:
+            reply = {"t": "failed", "room": room_id, "why": room.why}
+        elif room.rid != header.get("rid"):
+            reason = (
+                f"bootstrap_room mismatch: room {room_id} is {room.rid!r}, "
+                f"not {header.get('rid')!r}"
+            )
+            self._finish(room, reason)
+            reply = {"t": "failed", "room": room_id, "why": reason}
+        else:
+            room.state = KVPoll.TRANSFERRING
+            reply = {
+                "t": "ready",
+                "room": room_id,
+                "rid": room.rid,
+                "num_tokens": room.num_tokens,
+                "pages": room.pages.astype(np.int64).tobytes(),
+                "geometry": page_geometry(self.pool),
+                "mover": self.mover.describe(),
+            }
+        self.sock.send_multipart([identity, *_pack(reply)])
+
+    def _receive_data(self, room: Room | None, start: int, payload: list[bytes]) -> None:
+        if room is None or room.state is not KVPoll.TRANSFERRING or len(payload) != 1:
+            return  # cancelled or failed meanwhile: drop the bytes
+        kv = self.pool.buffers.kv
+        page_shape = kv.shape[1:]
+        data = np.frombuffer(payload[0], dtype=kv.dtype)
+        count = data.size // int(np.prod(page_shape))
+        if count == 0 or start < 0 or start + count > room.pages.size:
+            self._finish(room, "transfer data outside the room's pages")
+            return
+        kv[room.pages[start : start + count]] = data.reshape(count, *page_shape)
+        room.pages_received += count
+
+    def _check_done(self, room: Room | None, header: dict) -> tuple[bool, str]:
+        if room is None:
+            return False, f"bootstrap room {header.get('room')} is not expected here"
+        if room.state is KVPoll.FAILED:
+            return False, room.why
+        if room.rid != header.get("rid"):
+            return False, "bootstrap_room mismatch"
+        if int(header.get("num_tokens", -1)) != room.num_tokens:
+            return False, (
+                f"token count mismatch: sent {header.get('num_tokens')}, expected {room.num_tokens}"
+            )
+        if self.backend == "zmq" and room.pages_received != room.pages.size:
+            return False, f"received {room.pages_received} of {room.pages.size} pages"
+        return True, ""
+
+    # -- prefill side --------------------------------------------------------------
+
+    def send(self, rid: str, room_id: int, num_tokens: int, first_token: int, cached: int) -> None:
+        """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side."""
+        self._need("prefill")
+        if room_id in self.rooms:
+            raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
+        req = self.pool.request(rid)
+        if not 0 < num_tokens <= req.kv_len:
+            raise InvalidArgumentError(f"{rid!r} has KV for {req.kv_len} tokens, not {num_tokens}")
+        pages = aligned_pages(self.pool.slots(rid, 0, num_tokens), self.page_size)
+        if pages is None:
+            raise InvalidArgumentError(f"{rid!r}'s slots are not page-aligned")
+        now = time.monotonic()
+        room = Room(room_id, rid, pages, num_tokens, KVPoll.BOOTSTRAPPING, created=now)
+        room.first_token, room.cached_tokens = first_token, cached
+        room.waiting_since = now
+        self.rooms[room_id] = room
+        self._query(room, now)
+
+    def _query(self, room: Room, now: float) -> None:
+        self.sock.send_multipart(_pack({"t": "query", "room": room.room, "rid": room.rid}))
+        room.next_query = now + room.query_wait
+        room.query_wait = min(room.query_wait * 2, QUERY_RETRY_S[1])
+
+    def _advance_send(self, room: Room, now: float) -> float:
+        if room.state is KVPoll.BOOTSTRAPPING:
+            if now - room.waiting_since > self.peer_timeout_s and now - self.last_peer_seen > (
+                self.peer_timeout_s
+            ):
+                self._finish(room, f"decode node unreachable for {self.peer_timeout_s:.1f}s")
+                return 1.0
+            if now >= room.next_query:
+                self._query(room, now)
+            return room.next_query - now
+        if room.state is KVPoll.TRANSFERRING and room.handle is not None:
+            state = self.mover.poll(room)
+            if state == "ERR":
+                self._abort_send(room, "the NIXL transfer failed")
+            elif state == "DONE":
+                self._send_done(room, now)
+            return 0.0005
+        if room.state is KVPoll.TRANSFERRING and now - room.waiting_since > self.peer_timeout_s:
+            self._finish(room, "the decode node did not confirm the transfer")
+        return 0.25
+
+    def _on_decode_reply(self, kind: str | None, header: dict) -> None:
+        self.last_peer_seen = time.monotonic()
+        room = self.rooms.get(header.get("room"))
+        if room is None or room.state in (KVPoll.SUCCESS, KVPoll.FAILED):
+            return
+        if kind == "not_ready":
+            room.waiting_since = self.last_peer_seen
+        elif kind == "failed":
+            self._finish(room, f"decode side: {header.get('why', '')}")
+        elif kind == "ready" and room.state is KVPoll.BOOTSTRAPPING:
+            self._start_send(room, header)
+        elif kind == "ack":
+            self._finish(room, None if header.get("ok") else f"decode side: {header.get('why')}")
+
+    def _start_send(self, room: Room, dest: dict) -> None:
+        dst_pages = np.frombuffer(dest["pages"], dtype=np.int64)
+        if dest.get("rid") != room.rid:
+            self._abort_send(room, "bootstrap_room mismatch")
+        elif dest.get("geometry") != page_geometry(self.pool):
+            self._abort_send(room, "the decode node's page geometry differs from this one")
+        elif (
+            int(dest.get("num_tokens", -1)) != room.num_tokens or dst_pages.size != room.pages.size
+        ):
+            self._abort_send(
+                room, f"decode side expects {dest.get('num_tokens')} tokens, have {room.num_tokens}"
+            )
+        else:
+            room.state = KVPoll.TRANSFERRING
+            room.started = room.waiting_since = time.monotonic()
+            room.bytes = room.pages.size * self.pool.buffers.layout.bytes_per_page
+            try:
+                self.mover.start(room, dest["mover"], dst_pages, self.sock)
+            except Exception as exc:
+                self._abort_send(room, f"transfer could not start: {exc}")
+                return
+            if room.handle is None:  # zmq: already on the wire
+                self._send_done(room, room.started)
+
+    def _send_done(self, room: Room, now: float) -> None:
+        room.waiting_since = now
+        self.sock.send_multipart(
+            _pack(
+                {
+                    "t": "done",
+                    "room": room.room,
+                    "rid": room.rid,
+                    "num_tokens": room.num_tokens,
+                    "first_token": room.first_token,
+                    "cached_tokens": room.cached_tokens,
+                }
+            )
+        )
+
+    def _abort_send(self, room: Room, why: str) -> None:
+        self.sock.send_multipart(_pack({"t": "abort", "room": room.room, "why": why}))
+        self._finish(room, why)
+
+    # -- both ----------------------------------------------------------------------
+
+    def forget(self, room_ids: list[int]) -> None:
+        """Drop rooms the scheduler is done with; one still in flight is cancelled."""
+        for room_id in room_ids:
+            room = self.rooms.pop(room_id, None)
+            if room is None:
+                continue
+            if room.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
+                if self.role == "prefill":
+                    self.sock.send_multipart(
+                        _pack({"t": "abort", "room": room_id, "why": "cancelled"})
+                    )
+                self.counters["failed"] += 1
+
+    def forget_rid(self, rid: str) -> None:
+        """``rid`` was released (a dead session): its pages must not be written any more."""
+        self.forget([r.room for r in self.rooms.values() if r.rid == rid])
+
+    def _finish(self, room: Room, why: str | None) -> None:
+        if room.state in (KVPoll.SUCCESS, KVPoll.FAILED):
+            return
+        if why is None:
+            room.state = KVPoll.SUCCESS
+            self.counters["success"] += 1
+            if room.started:
+                self.counters["bytes"] += room.bytes
+                self.counters["seconds"] += time.monotonic() - room.started
+        else:
+            room.fail(why)
+            self.counters["failed"] += 1
+            log.warning("transfer of room %d (%s) failed: %s", room.room, room.rid, why)
+
+    def report(self, room_id: int) -> dict[str, Any]:
+        room = self.rooms.get(room_id)
+        if room is None:
+            return {"room": room_id, "state": int(KVPoll.FAILED), "why": "unknown room"}
+        return room.report()
+
+    def _need(self, role: str) -> None:
+        if self.role != role:
+            raise InvalidArgumentError(f"this memsvc has the {self.role} role, not {role}")
+
+    def stats(self) -> dict[str, Any]:
+        by_state = {s.name.lower(): 0 for s in KVPoll}
+        for room in self.rooms.values():
+            by_state[room.state.name.lower()] += 1
+        return {"backend": self.backend, "role": self.role, **self.counters, "rooms": by_state}

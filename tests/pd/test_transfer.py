@@ -1,0 +1,135 @@
+"""memsvc-P -> memsvc-D KV transfer, both backends, between real processes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from memsvc.client import MemClient
+from memsvc.core.backends import attach
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.sessions import NotOwnerError
+from memsvc.transfer import KVPoll
+
+BACKENDS = ["zmq", "nixl"]
+
+
+def pd_pair(memsvc_factory, tmp_path, backend: str, *extra: str):
+    listen = f"ipc://{tmp_path}/transfer.sock"
+    common = ["--transfer-backend", backend, "--transfer-timeout", "2", *extra]
+    decode = memsvc_factory("--pd-role", "decode", "--transfer-listen", listen, *common, name="d")
+    prefill = memsvc_factory("--pd-role", "prefill", "--transfer-peer", listen, *common, name="p")
+    return prefill, decode
+
+
+def wait_state(client: MemClient, room: int, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        (report,) = client.pd_status([room])
+        if report["state"] in (KVPoll.SUCCESS, KVPoll.FAILED) or time.monotonic() > deadline:
+            return report
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_pages_arrive_intact_in_the_decode_pool(memsvc_factory, tmp_path, backend):
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, backend)
+    num_tokens = 37  # not a whole number of pages: the last page goes whole
+    with MemClient(prefill.address) as p, MemClient(decode.address) as d:
+        p_kv, d_kv = attach(p.handle), attach(d.handle)
+        try:
+            d.alloc_row("r")
+            d_slots = d.alloc_extend([("r", num_tokens)]).slots
+            p.alloc_row("other")  # so P's pages differ from D's
+            p.alloc_extend([("other", 9)])
+            p.alloc_row("r")
+            p_slots = p.alloc_extend([("r", num_tokens)]).slots
+            assert not np.array_equal(p_slots, d_slots)
+            ps = p.layout.page_size
+            rng = np.random.default_rng(0)
+            for slot in p_slots:
+                p_kv.kv[slot // ps, :, :, slot % ps] = rng.standard_normal(
+                    p_kv.kv.shape[2:3] + p_kv.kv.shape[4:]
+                )
+            p.pd_send("r", 7, num_tokens, first_token=42, cached_tokens=3)
+            time.sleep(0.05)  # the decode side does not expect the room yet: P keeps asking
+            d.pd_expect("r", 7)
+            report = wait_state(d, 7)
+            assert report["state"] == KVPoll.SUCCESS, report
+            assert (report["first_token"], report["cached_tokens"]) == (42, 3)
+            assert wait_state(p, 7)["state"] == KVPoll.SUCCESS
+            for ps_slot, pd_slot in zip(p_slots, d_slots, strict=True):
+                np.testing.assert_array_equal(
+                    d_kv.kv[pd_slot // ps, :, :, pd_slot % ps],
+                    p_kv.kv[ps_slot // ps, :, :, ps_slot % ps],
+                )
+            stats = d.stats()["transfer"]
+            assert stats["backend"] == backend and stats["success"] == 1
+            p.pd_forget([7])
+            d.pd_forget([7])
+            p.release("r", is_insert=False)
+            p.free_row("other")
+            d.free_row("r")
+            p.check(idle=True)
+            d.check(idle=True)
+        finally:
+            p_kv.close()
+            d_kv.close()
+
+
+def test_mismatched_token_counts_fail_both_sides(memsvc_factory, tmp_path):
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, "zmq")
+    with MemClient(prefill.address) as p, MemClient(decode.address) as d:
+        d.alloc_row("r")
+        d.alloc_extend([("r", 12)])
+        d.pd_expect("r", 5)
+        p.alloc_row("r")
+        p.alloc_extend([("r", 16)])
+        p.pd_send("r", 5, 16, first_token=1)
+        assert "expects 12 tokens" in wait_state(p, 5)["why"]
+        report = wait_state(d, 5)
+        assert report["state"] == KVPoll.FAILED and "gave up" in report["why"]
+        for client in (p, d):
+            client.pd_forget([5])
+            client.free_row("r")
+            client.check(idle=True)
+
+
+def test_decode_side_fails_rooms_when_the_prefill_memsvc_dies(memsvc_factory, tmp_path):
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, "zmq")
+    with MemClient(decode.address) as d:
+        d.alloc_row("r")
+        d.alloc_extend([("r", 8)])
+        d.pd_expect("r", 9)
+        time.sleep(0.3)
+        prefill.stop()  # SIGTERM: it says nothing more
+        report = wait_state(d, 9, timeout=20)
+        assert report["state"] == KVPoll.FAILED
+        assert "prefill node unreachable" in report["why"]
+        d.pd_forget([9])
+        d.free_row("r")
+        d.check(idle=True)
+
+
+def test_rooms_are_guarded(memsvc_factory, tmp_path):
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, "zmq")
+    with MemClient(decode.address) as d, MemClient(decode.address) as other:
+        d.alloc_row("r")
+        d.alloc_extend([("r", 8)])
+        d.pd_expect("r", 3)
+        with pytest.raises(InvalidArgumentError, match="already in use"):
+            d.pd_expect("r", 3)
+        with pytest.raises(NotOwnerError):
+            other.pd_forget([3])
+        with pytest.raises(InvalidArgumentError, match="prefill"):
+            d.pd_send("r", 4, 8, first_token=0)  # a decode-role memsvc does not send
+        d.pd_forget([3])
+        d.free_row("r")
+        d.check(idle=True)
+    with MemClient(prefill.address) as p:
+        p.alloc_row("x")
+        with pytest.raises(InvalidArgumentError):
+            p.pd_send("x", 1, 4, first_token=0)  # holds no KV
+        p.free_row("x")
