@@ -183,6 +183,84 @@ class Launcher:
         )
         return mem, model, sched
 
+    def start_pd_stack(
+        self,
+        checkpoint: str | Path,
+        pool: list[str],
+        scheduler: list[str] = (),
+        *,
+        decode_pool: list[str] | None = None,
+        decode_scheduler: list[str] = (),
+        transfer_backend: str = "auto",
+        transfer_timeout: float = 5.0,
+        suffix: str = "",
+        log_level: str | None = None,
+    ) -> dict[str, Service]:
+        """A prefill node, a decode node and the router, wired together; returns them by name.
+
+        ``pool`` / ``scheduler`` apply to both nodes; ``decode_pool`` /
+        ``decode_scheduler`` add to (and win over) them on the decode node.
+        """
+        logging = ["--log-level", log_level] if log_level else []
+        transfer = [
+            "--transfer-backend",
+            transfer_backend,
+            "--transfer-timeout",
+            str(transfer_timeout),
+        ]
+        listen = f"ipc://{self.workdir}/transfer{suffix}.sock"
+        up: dict[str, Service] = {}
+        for node, role, extra in (
+            ("d", "decode", ["--transfer-listen", listen]),
+            ("p", "prefill", ["--transfer-peer", listen]),
+        ):
+            node_pool = [*pool, *(decode_pool or [])] if node == "d" else pool
+            up[f"memsvc-{node}"] = self.start(
+                "memsvc",
+                *TINY_MODEL_POOL,
+                *node_pool,
+                "--pd-role",
+                role,
+                *transfer,
+                *extra,
+                *logging,
+                name=f"memsvc-{node}{suffix}",
+            )
+            up[f"model_svc-{node}"] = self.start(
+                "model_svc",
+                "--memsvc",
+                up[f"memsvc-{node}"].address,
+                "--checkpoint",
+                str(checkpoint),
+                "--threads",
+                "1",
+                *logging,
+                name=f"model_svc-{node}{suffix}",
+            )
+            node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else scheduler
+            up[f"scheduler-{node}"] = self.start(
+                "scheduler_svc",
+                "--mode",
+                role,
+                "--memsvc",
+                up[f"memsvc-{node}"].address,
+                "--worker",
+                up[f"model_svc-{node}"].address,
+                *node_scheduler,
+                *logging,
+                name=f"scheduler-{node}{suffix}",
+            )
+        up["router"] = self.start(
+            "scheduler_svc.router",
+            "--prefill",
+            up["scheduler-p"].address,
+            "--decode",
+            up["scheduler-d"].address,
+            *logging,
+            name=f"router{suffix}",
+        )
+        return up
+
     def stop_all(self) -> None:
         """Stop every service, last started first; each one even if stopping another raised."""
         services, self.services = self.services, []

@@ -1,0 +1,320 @@
+"""PD disaggregation: the prefill node's and the decode node's scheduling loops.
+
+Both reuse :class:`Engine`; what differs is where a request's KV comes from
+and where it goes::
+
+    prefill node: waiting ─► prefill (Engine's admission) ─► pd_send ─► inflight ─► Success:
+                  release into the prefix tree, reply with the first token  | Failed: free, 500
+
+    decode node:  prealloc queue ─► row + pages reserved, pd_expect ─► transfer queue ─►
+                  Success: join the running batch with the first token (no compute) | Failed: 500
+                  running ─► retract: KV offloaded to memsvc-D's host store ─► retracted queue
+                  retracted ─► resume FIFO (load back into new pages) ─► running
+
+On the decode node, while anything is retracted no preallocation starts and no
+transfer is committed (SGLang's ``process_decode_queue``): the parked requests
+come back first. The prefill node is never involved in that recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from memsvc.core.errors import OutOfRowsError
+from memsvc.transfer import KVPoll
+from scheduler_svc.core import Req, ceil_page
+from scheduler_svc.engine import Engine
+
+log = logging.getLogger("scheduler_svc")
+
+TRANSFER_POLL_S = 0.002  # loop wake-up while transfers are in flight
+TIMELINE_LEN = 4096
+
+
+def transfer_failed_message(req: Req, room: int, why: str) -> str:
+    return (
+        f"Decode transfer failed for request rank=0 req.rid={req.rid} "
+        f"bootstrap_room={room} with exception {why}"
+    )
+
+
+class PrefillEngine(Engine):
+    """Prefill only: every request's KV goes to the decode node, then into the tree here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.inflight: dict[int, Req] = {}
+        self.stats.transfer_failed = 0
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and not self.inflight
+
+    def idle_wait_s(self, default: float) -> float:
+        return TRANSFER_POLL_S if self.inflight else default
+
+    async def step(self) -> bool:
+        await self._apply_commands()
+        did = await self._prefill_round()
+        return await self._poll_inflight() or did
+
+    async def _prefilled(self, req: Req, token: int) -> None:
+        req.append_token(token)
+        self.stats.generated_tokens += 1
+        if req.bootstrap_room is None:
+            await self._abort(req, "a prefill node needs a bootstrap room", 400)
+            return
+        await self.mem.pd_send(
+            req.rid, req.bootstrap_room, req.kv_len, token, cached_tokens=req.cached_tokens
+        )
+        self.inflight[req.bootstrap_room] = req
+
+    async def _poll_inflight(self) -> bool:
+        if not self.inflight:
+            return False
+        reports = await self.mem.pd_status(list(self.inflight))
+        done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
+        if not done:
+            return False
+        await self.mem.pd_forget([r["room"] for r in done])
+        for report in done:
+            req = self.inflight.pop(report["room"])
+            if report["state"] == KVPoll.SUCCESS:
+                req.check_finished(self.eos_token_ids)  # max_new_tokens is 1 here
+                await self._finish(req)
+            else:
+                self.stats.transfer_failed += 1
+                why = transfer_failed_message(req, report["room"], report["why"])
+                await self._abort(req, why, 500)
+        return True
+
+    async def _abort(self, req: Req, message: str, status_code: int) -> None:
+        room = req.bootstrap_room
+        if room is not None and self.inflight.get(room) is req:
+            del self.inflight[room]
+            await self.mem.pd_forget([room])
+        await super()._abort(req, message, status_code)
+
+
+class DecodeEngine(Engine):
+    """Decode only: prompts' KV arrives from the prefill node; retract parks KV in host RAM."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prealloc: deque[Req] = deque()
+        self.transfer: dict[int, Req] = {}
+        self.retracted: deque[Req] = deque()
+        self._rows: dict[str, int] = {}  # rows reserved for requests awaiting their KV
+        self._next_room = 1 << 62  # re-bootstrap rooms: never collide with the router's
+        self.on_rebootstrap: Callable[[Req, int, list[int]], None] = lambda *a: None
+        # (forward pass, event, rid) for tests and plots: prealloc / commit / retract / resume.
+        self.timeline: deque[tuple[int, str, str]] = deque(maxlen=TIMELINE_LEN)
+        for name in ("transfer_failed", "prealloc_reqs", "rebootstraps", "host_full_aborts"):
+            setattr(self.stats, name, 0)
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and not (self.prealloc or self.transfer or self.retracted)
+
+    def idle_wait_s(self, default: float) -> float:
+        return TRANSFER_POLL_S if (self.transfer or self.retracted or self.prealloc) else default
+
+    def _event(self, kind: str, req: Req) -> None:
+        self.timeline.append((self.stats.forward_passes, kind, req.rid))
+
+    async def _apply_commands(self) -> None:
+        while self._commands:
+            kind, item = self._commands.popleft()
+            if kind == "submit":
+                self.reqs[item.rid] = item
+                self.prealloc.append(item)
+            elif item in self.reqs:
+                await self._abort(self.reqs[item], "Aborted by the client.", 499)
+
+    async def step(self) -> bool:
+        await self._apply_commands()
+        did = await self._resume_retracted()
+        if not self.retracted:
+            did = await self._preallocate() or did
+            did = await self._poll_transfers() or did
+        if self.running:
+            await self._decode_round()
+            did = True
+        elif not (self.transfer or self.prealloc or self.retracted):
+            self.ratio.reset()
+        return did
+
+    # -- budget (SGLang's DecodePreallocQueue._allocatable_token_budgets) --------------
+
+    def _required(self, req: Req) -> int:
+        """Slots to reserve for ``req``: what it holds now plus the per-request reserve."""
+        fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+        return ceil_page(fill, self.config.page_size) + self.config.num_reserved_decode_tokens
+
+    async def _allocatable(self, *, count_retracted: bool) -> int:
+        if not self.running:
+            await self.mem.heartbeat()  # fresh sizes when no decode step brought them
+        sizes = self.mem.sizes
+        reserve = self.config.num_reserved_decode_tokens
+        n_active = len(self.running) + len(self.transfer)
+        allocatable = sizes.available + sizes.evictable - reserve * n_active
+        if count_retracted:
+            allocatable -= sum(self._required(r) for r in self.retracted)
+        return allocatable
+
+    def _alone_fits(self, req: Req, allocatable: int) -> bool:
+        """With nothing else active, admit what physically fits rather than starve it."""
+        busy = self.running or self.transfer
+        return not busy and self._required(req) - self.config.num_reserved_decode_tokens <= (
+            allocatable
+        )
+
+    # -- resume ------------------------------------------------------------------------
+
+    async def _resume_retracted(self) -> bool:
+        if not self.retracted:
+            return False
+        allocatable = await self._allocatable(count_retracted=False)
+        resumed = False
+        while self.retracted:
+            req = self.retracted[0]
+            required = self._required(req)
+            if required > allocatable and not self._alone_fits(req, allocatable):
+                break  # head-of-line: FIFO
+            try:
+                row = await self.mem.alloc_row(req.rid)
+            except OutOfRowsError:
+                break
+            if not (await self.mem.load(req.rid)).fits:
+                await self.mem.free_row(req.rid)
+                break
+            self.retracted.popleft()
+            req.resume(row)
+            self.stats.loaded_reqs += 1
+            self.stats.loaded_tokens += req.kv_len
+            self.running.append(req)
+            self._event("resume", req)
+            allocatable -= required
+            resumed = True
+        return resumed
+
+    # -- preallocation and transfer --------------------------------------------------
+
+    async def _preallocate(self) -> bool:
+        if not self.prealloc:
+            return False
+        allocatable = await self._allocatable(count_retracted=True)
+        retractable = sum(r.seq_len for r in self.running)
+        clip = self.config.clip_max_new_tokens
+        started = False
+        while self.prealloc:
+            if len(self.running) + len(self.transfer) >= self.config.max_running_requests:
+                break
+            req = self.prealloc[0]
+            required = self._required(req)
+            remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
+            single = len(req.origin_input_ids) + min(remaining, clip) - retractable
+            if max(required, single) > allocatable and not self._alone_fits(req, allocatable):
+                break
+            fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+            try:
+                row = await self.mem.alloc_row(req.rid)
+            except OutOfRowsError:
+                break
+            if not (await self.mem.alloc_extend([(req.rid, fill)])).fits:
+                await self.mem.free_row(req.rid)
+                break
+            await self.mem.pd_expect(req.rid, req.bootstrap_room)
+            self.prealloc.popleft()
+            self._rows[req.rid] = row
+            self.transfer[req.bootstrap_room] = req
+            self.stats.prealloc_reqs += 1
+            self._event("prealloc", req)
+            allocatable -= required
+            started = True
+        return started
+
+    async def _poll_transfers(self) -> bool:
+        if not self.transfer:
+            return False
+        reports = await self.mem.pd_status(list(self.transfer))
+        done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
+        if not done:
+            return False
+        await self.mem.pd_forget([r["room"] for r in done])
+        for report in done:
+            room = report["room"]
+            req = self.transfer.pop(room)
+            row = self._rows.pop(req.rid)
+            if report["state"] == KVPoll.FAILED:
+                self.stats.transfer_failed += 1
+                await self.mem.free_row(req.rid)  # nothing inserted: the KV may be partial
+                await self._abort(req, transfer_failed_message(req, room, report["why"]), 500)
+                continue
+            self._commit(req, row, report)
+            if req.check_finished(self.eos_token_ids):
+                await self._finish(req)
+                continue
+            self.running.append(req)
+            self.emit(req, False)
+        return True
+
+    def _commit(self, req: Req, row: int, report: dict[str, Any]) -> None:
+        if req.is_retracted:  # re-bootstrapped: the KV of all but its last token came back
+            req.resume(row)
+            self._event("resume", req)
+            return
+        req.commit_transfer(row, int(report["first_token"]), int(report["cached_tokens"]))
+        self.stats.generated_tokens += 1
+        self._event("commit", req)
+
+    # -- retract: offload to the host store ---------------------------------------------
+
+    def _offload_choices(self, ordered: list[Req]) -> list[bool]:
+        return [True] * len(ordered)
+
+    async def _requeue_retracted(self, req: Req) -> None:
+        self.retracted.append(req)
+        self._event("retract", req)
+
+    async def _offload_failed(self, req: Req) -> None:
+        self._event("retract", req)
+        if self.config.pd_retract_fallback == "recompute":
+            room, self._next_room = self._next_room, self._next_room + 1
+            req.bootstrap_room = room
+            self.stats.rebootstraps += 1
+            self.prealloc.appendleft(req)
+            # The prefill node recomputes the KV of everything but the last token.
+            self.on_rebootstrap(req, room, req.fill_ids[:-1])
+            return
+        self.stats.host_full_aborts += 1
+        await self._abort(
+            req,
+            f"Request {req.rid} aborted: the host store has no room for its KV "
+            "(retract by offload failed)",
+            500,
+        )
+
+    async def _abort(self, req: Req, message: str, status_code: int) -> None:
+        if req in self.prealloc:
+            self.prealloc.remove(req)
+        if req in self.retracted:
+            self.retracted.remove(req)
+        room = req.bootstrap_room
+        if room is not None and self.transfer.get(room) is req:
+            del self.transfer[room]
+            await self.mem.pd_forget([room])
+            await self.mem.free_row(req.rid)
+            self._rows.pop(req.rid, None)
+        await super()._abort(req, message, status_code)
+
+    def queue_lengths(self) -> dict[str, int]:
+        return {
+            "prealloc": len(self.prealloc),
+            "transfer": len(self.transfer),
+            "retracted": len(self.retracted),
+            "running": len(self.running),
+        }
