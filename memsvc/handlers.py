@@ -342,7 +342,9 @@ class MemService:
     def _pd_send(self, session: Session, msg: p.PdSend) -> Reply:
         self._own(session, msg.rid)
         agent = self._agent()
-        agent.send(msg.rid, msg.room, msg.num_tokens, msg.first_token, msg.cached_tokens)
+        agent.send(
+            msg.rid, msg.room, msg.num_tokens, msg.first_token, msg.cached_tokens, msg.peer_rid
+        )
         agent.rooms[msg.room].owner = session.num
         return {}, None
 

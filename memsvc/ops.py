@@ -178,7 +178,13 @@ class _Ops:
         return self._invoke(_Call("pd_expect", {"rid": rid, "room": room}, None, _nothing))
 
     def pd_send(
-        self, rid: str, room: int, num_tokens: int, first_token: int, cached_tokens: int = 0
+        self,
+        rid: str,
+        room: int,
+        num_tokens: int,
+        first_token: int,
+        cached_tokens: int = 0,
+        peer_rid: str | None = None,
     ) -> Any:
         """Prefill side: send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side."""
         fields = {
@@ -187,6 +193,7 @@ class _Ops:
             "num_tokens": num_tokens,
             "first_token": first_token,
             "cached_tokens": cached_tokens,
+            "peer_rid": peer_rid,
         }
         return self._invoke(_Call("pd_send", fields, None, _nothing))
 

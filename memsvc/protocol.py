@@ -190,6 +190,7 @@ class PdSend(Message):
     num_tokens: int = Field(ge=1)
     first_token: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0)
+    peer_rid: RequestId | None = None  # the decode side's name for it, if not ``rid``
 
 
 class PdStatus(Message):

@@ -98,6 +98,7 @@ class Room:
     pages_received: int = 0
     bytes: int = field(default=0)
     owner: int = 0  # the memsvc session whose request this is
+    peer_rid: str = ""  # prefill side: the rid the decode side expects
 
     def fail(self, why: str) -> None:
         if self.state is not KVPoll.SUCCESS:
@@ -383,8 +384,19 @@ class TransferAgent:
 
     # -- prefill side --------------------------------------------------------------
 
-    def send(self, rid: str, room_id: int, num_tokens: int, first_token: int, cached: int) -> None:
-        """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side."""
+    def send(
+        self,
+        rid: str,
+        room_id: int,
+        num_tokens: int,
+        first_token: int,
+        cached: int,
+        peer_rid: str | None = None,
+    ) -> None:
+        """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side.
+
+        ``peer_rid``: the decode side's name for the request, if not ``rid``.
+        """
         self._need("prefill")
         if room_id in self.rooms:
             raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
@@ -397,12 +409,13 @@ class TransferAgent:
         now = time.monotonic()
         room = Room(room_id, rid, pages, num_tokens, KVPoll.BOOTSTRAPPING, created=now)
         room.first_token, room.cached_tokens = first_token, cached
+        room.peer_rid = peer_rid or rid
         room.waiting_since = now
         self.rooms[room_id] = room
         self._query(room, now)
 
     def _query(self, room: Room, now: float) -> None:
-        self.sock.send_multipart(_pack({"t": "query", "room": room.room, "rid": room.rid}))
+        self.sock.send_multipart(_pack({"t": "query", "room": room.room, "rid": room.peer_rid}))
         room.next_query = now + room.query_wait
         room.query_wait = min(room.query_wait * 2, QUERY_RETRY_S[1])
 
@@ -443,7 +456,7 @@ class TransferAgent:
 
     def _start_send(self, room: Room, dest: dict) -> None:
         dst_pages = np.frombuffer(dest["pages"], dtype=np.int64)
-        if dest.get("rid") != room.rid:
+        if dest.get("rid") != room.peer_rid:
             self._abort_send(room, "bootstrap_room mismatch")
         elif dest.get("geometry") != page_geometry(self.pool):
             self._abort_send(room, "the decode node's page geometry differs from this one")
@@ -472,7 +485,7 @@ class TransferAgent:
                 {
                     "t": "done",
                     "room": room.room,
-                    "rid": room.rid,
+                    "rid": room.peer_rid,
                     "num_tokens": room.num_tokens,
                     "first_token": room.first_token,
                     "cached_tokens": room.cached_tokens,

@@ -68,7 +68,12 @@ class PrefillEngine(Engine):
             await self._abort(req, "a prefill node needs a bootstrap room", 400)
             return
         await self.mem.pd_send(
-            req.rid, req.bootstrap_room, req.kv_len, token, cached_tokens=req.cached_tokens
+            req.rid,
+            req.bootstrap_room,
+            req.kv_len,
+            token,
+            cached_tokens=req.cached_tokens,
+            peer_rid=req.bootstrap_rid,
         )
         self.inflight[req.bootstrap_room] = req
 

@@ -260,6 +260,7 @@ class Router:
             "stream": False,
             "priority": flight.header.get("priority"),
             "bootstrap_room": room,
+            "bootstrap_rid": flight.rid,
         }
         ids = np.asarray(header["input_ids"], dtype=wire.ARRAY_DTYPE)
         await self._send_prefill(flight, request, {"input_ids": ids})

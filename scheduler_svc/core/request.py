@@ -116,6 +116,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     # PD mode: the room that pairs this request's prefill and decode sides.
     bootstrap_room: int | None = None
+    bootstrap_rid: str | None = None  # the decode side's rid, if not ``rid`` (re-bootstrap)
     arrival_time: float = field(default_factory=time.monotonic)
 
     state: ReqState = field(default=ReqState.WAITING, init=False)
