@@ -146,9 +146,11 @@ def measure_decode(
 
 
 @contextmanager
-def bound_pool(model: LlamaModel, layout: PoolLayout) -> Iterator[KVPool]:
+def bound_pool(
+    model: LlamaModel, layout: PoolLayout, host_store_bytes: int = 0
+) -> Iterator[KVPool]:
     """A pool mapped as the model worker maps it; unbound and unmapped before it closes."""
-    with KVPool(layout) as pool:
+    with KVPool(layout, host_store_bytes=host_store_bytes) as pool:
         attached = attach(pool.buffers.handle())
         try:
             model.bind(attached.kv_torch(), attached.req_to_token_torch(), layout.page_size)
