@@ -1,45 +1,25 @@
 """An in-process stack for deterministic engine tests.
 
-``InProcessMem`` is the real memsvc client (same op code, same replies) wired
-straight to a :class:`MemService` instead of a socket. ``FakeModel`` answers
-forward calls with a token that depends only on the position and the token
-before it, so a request that is retracted and re-prefilled must produce the
-same tokens as one that is not: the engine's bookkeeping (which tokens are
-re-sent, at which positions) is what these tests check; the real model's
-numerics are checked in tests/model and the process tests.
+``InProcessMem`` (shared with the simulator, :mod:`scheduler_svc.sim.inproc`)
+is the real memsvc client (same op code, same replies) wired straight to a
+:class:`MemService` instead of a socket. ``FakeModel`` answers forward calls
+with a token that depends only on the position and the token before it (the
+simulator's :func:`~scheduler_svc.sim.worker.next_token`), so a request that
+is retracted and re-prefilled must produce the same tokens as one that is
+not: the engine's bookkeeping (which tokens are re-sent, at which positions)
+is what these tests check; the real model's numerics are checked in
+tests/model and the process tests.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from memsvc import protocol as wire
-from memsvc.client import _Call, _Client, _Session
-from memsvc.handlers import MemService
 from model_svc.client import ForwardResult
+from scheduler_svc.sim.inproc import InProcessMem
+from scheduler_svc.sim.worker import expected_output, next_token
 
-
-class InProcessMem(_Client):
-    def __init__(self, service: MemService, name: str = "scheduler") -> None:
-        self._service = service
-        self._state = _Session("inproc://memsvc", "scheduler", name, 3600.0, 1.0, 0, None)
-
-    @classmethod
-    async def connect(cls, service: MemService, name: str = "scheduler") -> InProcessMem:
-        client = cls(service, name)
-        await client._invoke(client._state.hello_call())
-        return client
-
-    async def _invoke(self, call: _Call) -> Any:
-        _, frames = self._state.frames(call)
-        header = wire.unpack(self._service.handle(frames))
-        return self._state.finish(call, header)
-
-
-def next_token(previous: int, position: int) -> int:
-    return (previous * 31 + position * 7 + 3) % 250
+__all__ = ["FakeModel", "InProcessMem", "expected_output", "next_token"]
 
 
 class FakeModel:
@@ -69,13 +49,3 @@ class FakeModel:
             self._check(row, seq_len)
         out = [next_token(int(t), int(s) - 1) for t, s in zip(token_ids, seq_lens, strict=True)]
         return ForwardResult(np.array(out, dtype=np.int64))
-
-
-def expected_output(prompt: list[int], max_new: int) -> list[int]:
-    """What FakeModel generates for ``prompt`` with no stop token."""
-    out, last, position = [], prompt[-1], len(prompt) - 1
-    for _ in range(max_new):
-        last = next_token(last, position)
-        out.append(last)
-        position += 1
-    return out
