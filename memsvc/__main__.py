@@ -21,6 +21,7 @@ from memsvc.server import (
     ServiceShell,
     check_listen_address,
     default_listen_address,
+    metrics_host,
 )
 from memsvc.transfer import TransferAgent
 
@@ -155,7 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
+        help="serve Prometheus metrics on --metrics-host:PORT (0: any free port)",
+    )
+    net.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics server binds (non-loopback needs --allow-remote)",
     )
     add_service_args(net, ready_fields="address, epoch, pid, metrics_port")
     return parser
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             from prometheus_client import CollectorRegistry, start_http_server
 
             registry = CollectorRegistry()
-            metrics_server, _ = start_http_server(metrics_port, "127.0.0.1", registry)
+            metrics_server, _ = start_http_server(metrics_port, metrics_host(args), registry)
             metrics_port = metrics_server.server_port
             log.info("metrics on http://127.0.0.1:%d/metrics", metrics_port)
         metrics = Metrics(registry)

@@ -69,6 +69,13 @@ def check_listen_address(address: str, *, allow_remote: bool) -> None:
         )
 
 
+def metrics_host(args) -> str:
+    """``--metrics-host``, refused unless loopback or ``--allow-remote`` (as for --listen)."""
+    host = args.metrics_host
+    check_listen_address(f"tcp://{host}:0", allow_remote=args.allow_remote)
+    return host
+
+
 class Extension(Protocol):
     """More sockets served on the socket thread (memsvc's PD transfer agent)."""
 

@@ -6,12 +6,12 @@ import argparse
 import asyncio
 import logging
 import sys
+from typing import Any
 
 from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
-from memsvc.server import check_listen_address, default_listen_address
-from model_svc.client import AsyncModelClient
+from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from scheduler_svc.core import ConfigError, SchedulerConfig
 
 log = logging.getLogger("scheduler_svc")
@@ -27,9 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mode",
-        choices=["normal"],
+        choices=["normal", "prefill", "decode"],
         default="normal",
-        help="normal: one node, retracted requests are re-prefilled",
+        help="normal: one node; prefill / decode: one side of a PD pair behind "
+        "`python -m scheduler_svc.router` (memsvc needs the matching --pd-role)",
     )
     parser.add_argument("--memsvc", required=True, help="memsvc address")
     parser.add_argument("--worker", required=True, help="model_svc address")
@@ -70,6 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="victim order: fewest outputs first (length) or lowest priority",
     )
     parser.add_argument(
+        "--retract-mode",
+        choices=["recompute", "offload", "auto"],
+        default="recompute",
+        help="what a retracted request's KV becomes (normal mode): dropped and re-prefilled "
+        "(SGLang), parked in memsvc's host store and loaded back, or per victim the cheaper "
+        "of the two by a cost model learned online. A decode node always offloads",
+    )
+    parser.add_argument(
+        "--num-reserved-decode-tokens",
+        type=int,
+        default=512,
+        help="decode node: tokens reserved per active request when preallocating",
+    )
+    parser.add_argument(
+        "--pd-retract-fallback",
+        choices=["abort", "recompute"],
+        default="abort",
+        help="decode node: a victim the host store cannot take is aborted (SGLang) or "
+        "re-prefilled through the prefill node",
+    )
+    parser.add_argument(
         "--enable-priority-scheduling",
         action="store_true",
         help="honour request priorities (needed by --retraction-policy priority)",
@@ -89,7 +111,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus metrics on 127.0.0.1:PORT (0: any free port)",
+        help="serve Prometheus metrics on --metrics-host:PORT (0: any free port)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics server binds (non-loopback needs --allow-remote)",
+    )
+    faults = parser.add_argument_group("fault tolerance")
+    faults.add_argument(
+        "--memsvc-timeout",
+        type=float,
+        default=5.0,
+        help="seconds memsvc has to answer one op (tried 3 times) before it counts as dead",
+    )
+    faults.add_argument(
+        "--memsvc-lease",
+        type=float,
+        default=10.0,
+        help="memsvc session lease: memsvc reclaims our KV this long after we go silent",
+    )
+    faults.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=60.0,
+        help="seconds model_svc has to answer one forward call (tried twice) before it "
+        "counts as dead (a worker that exits is noticed at once)",
+    )
+    faults.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=120.0,
+        help="how long to wait for a dead memsvc or model_svc to come back before "
+        "failing the live requests",
+    )
+    faults.add_argument(
+        "--memsvc-session-file",
+        default=None,
+        help="keep our memsvc session id here; a restarted scheduler ends the session its "
+        "dead predecessor left, so memsvc reclaims that KV at once",
     )
     add_service_args(parser, ready_fields="address, pid, metrics_port")
     return parser
@@ -99,12 +159,27 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
     from model_svc.config import ModelConfig
     from model_svc.tokenizer import ByteTokenizer, load_tokenizer
     from scheduler_svc.engine import Engine
+    from scheduler_svc.pd import DecodeEngine, PrefillEngine
+    from scheduler_svc.recovery import Recovery
+    from scheduler_svc.resilient import ResilientModelClient
     from scheduler_svc.service import SchedulerService
 
-    mem = await AsyncMemClient.connect(args.memsvc, role="scheduler", name="scheduler_svc")
+    def connect_mem() -> Any:
+        return AsyncMemClient.connect(
+            args.memsvc,
+            role="scheduler",
+            name="scheduler_svc",
+            lease_s=args.memsvc_lease,
+            timeout_s=args.memsvc_timeout,
+        )
+
+    mem = await connect_mem()
+    engine = None
     metrics_server = None
     metrics_port = None
-    model = AsyncModelClient(args.worker)
+    model = ResilientModelClient(
+        args.worker, timeout_s=args.worker_timeout, recovery_timeout_s=args.recovery_timeout
+    )
     try:
         layout = mem.layout
         if args.page_size is not None and args.page_size != layout.page_size:
@@ -120,12 +195,16 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             retraction_policy=args.retraction_policy,
             enable_priority_scheduling=args.enable_priority_scheduling,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first,
+            retract_mode="offload" if args.mode == "decode" else args.retract_mode,
+            num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+            pd_retract_fallback=args.pd_retract_fallback,
         )
         model_config = ModelConfig.from_dict((await model.info())["model"])
         tokenizer = (
             load_tokenizer(args.checkpoint, model_config) if args.checkpoint else ByteTokenizer()
         )
-        engine = Engine(
+        engine_class = {"normal": Engine, "prefill": PrefillEngine, "decode": DecodeEngine}
+        engine = engine_class[args.mode](
             config,
             mem,
             model,
@@ -133,6 +212,14 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             eos_token_ids=model_config.eos_token_ids,
             capacity=mem.hello_info["capacity"],
         )
+        recovery = Recovery(
+            engine,
+            connect_mem,
+            args.memsvc,
+            recovery_timeout_s=args.recovery_timeout,
+            session_file=args.memsvc_session_file,
+        )
+        await recovery.adopt_session()
         if args.metrics_port is not None:
             from prometheus_client import CollectorRegistry, start_http_server
 
@@ -140,7 +227,7 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
 
             registry = CollectorRegistry()
             register(registry, engine)
-            metrics_server, _ = start_http_server(args.metrics_port, "127.0.0.1", registry)
+            metrics_server, _ = start_http_server(args.metrics_port, metrics_host(args), registry)
             metrics_port = metrics_server.server_port
         service = SchedulerService(
             engine,
@@ -152,6 +239,8 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             vocab_size=model_config.vocab_size,
             ready_file=args.ready_file,
             ready_info={"metrics_port": metrics_port},
+            recovery=recovery,
+            mode=args.mode,
         )
         await service.run()
         return 0
@@ -159,7 +248,8 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
         if metrics_server is not None:
             metrics_server.shutdown()
         await model.close()
-        await mem.close()
+        # recovery may have replaced the engine's memsvc client with a new session
+        await (engine.mem if engine is not None else mem).close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,18 @@
 """Clients of the generate API: :class:`GenerateClient` (sync) and :class:`AsyncGenerateClient`.
 
 ``generate`` waits for the result; ``stream`` yields token chunks as they
-come and ends with the result; ``abort`` ends a request by rid. A scheduler
-that stays silent for ``timeout_s`` raises :class:`memsvc.client.PeerDeadError`
-instead of hanging.
+come and ends with the result; ``abort`` ends a request by rid.
+
+A scheduler that dies (its socket disconnects, seen at once through a ZMQ
+socket monitor) or stays silent for ``timeout_s`` does not lose the request:
+the client sends it again under the same rid, up to ``resubmits`` times (to
+the restarted scheduler, or to the same one after a stall: a scheduler that
+still runs the rid attaches the re-submission to it, one that finished it
+answers from its result cache). Chunks already delivered are never
+delivered twice: a re-submitted stream starts again at offset 0 and the
+client drops what it already gave out. When every re-submission fails,
+:class:`SchedulerLostError` (a :class:`GenerateError` and a
+:class:`memsvc.client.PeerDeadError`) names the faults; it never hangs.
 """
 
 from __future__ import annotations
@@ -33,6 +42,27 @@ class GenerateError(Exception):
         super().__init__(message)
         self.code = code
         self.status_code = status_code
+
+
+class SchedulerLostError(GenerateError, PeerDeadError):
+    """The scheduler died or went silent, and re-submitting the request did not help."""
+
+    def __init__(self, address: str, rid: str, faults: list[str]) -> None:
+        GenerateError.__init__(
+            self,
+            "scheduler_unavailable",
+            f"scheduler at {address} lost request {rid!r} {len(faults)} times "
+            f"({'; '.join(faults)}); gave up",
+            503,
+        )
+        self.faults = list(faults)
+
+
+class _Fault(Exception):
+    """This try of a request failed (disconnect, silence, lost chunk): send it again."""
+
+
+DEFAULT_RESUBMITS = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,36 @@ def _request(
     return rid, wire.pack(header, arrays)
 
 
+def _unpack(frames: list[bytes]) -> dict[str, Any] | None:
+    """A reply's header, or None for one damaged in transit (no reply, as if lost)."""
+    try:
+        return wire.unpack(frames)
+    except wire.ProtocolError:
+        return None
+
+
+def _fresh(chunk: Chunk, delivered: int) -> Chunk | None:
+    """The part of ``chunk`` past the ``delivered`` tokens given out already (None: nothing).
+
+    A chunk that starts after them means one was lost: :class:`_Fault`.
+    """
+    if chunk.offset > delivered:
+        raise _Fault(f"stream chunk at {delivered} lost (got offset {chunk.offset})")
+    skip = delivered - chunk.offset
+    if skip >= len(chunk.token_ids):
+        return None
+    return Chunk(chunk.rid, chunk.token_ids[skip:], delivered)
+
+
+def _drain(monitor: zmq.Socket) -> None:
+    """Forget disconnects that happened before this try (they are not about it)."""
+    while True:
+        try:
+            monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
 def _decode(header: dict[str, Any]) -> Chunk | GenerateResult:
     if not header.get("ok"):
         raise GenerateError(
@@ -97,10 +157,13 @@ def _decode(header: dict[str, Any]) -> Chunk | GenerateResult:
 
 
 class GenerateClient:
-    def __init__(self, address: str, *, timeout_s: float = 120.0) -> None:
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(
+        self, address: str, *, timeout_s: float = 120.0, resubmits: int = DEFAULT_RESUBMITS
+    ) -> None:
+        self.address, self.timeout_s, self.resubmits = address, timeout_s, resubmits
         self._ctx = zmq.Context()
         self._sock = rpc.dealer(self._ctx, address)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._op_ids = itertools.count(1)
 
     def stream(
@@ -118,19 +181,42 @@ class GenerateClient:
         raise PeerDeadError(f"scheduler at {self.address} ended the stream without a result")
 
     def _run(self, input_ids, text, sampling, rid, stream, priority):
-        op_id = next(self._op_ids)
-        rid, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
-        self._sock.send_multipart(frames)
+        rid = rid or uuid.uuid4().hex
+        delivered = [0]  # output tokens given out (a list: _try updates it)
+        faults: list[str] = []
         while True:
-            if not self._sock.poll(self.timeout_s * 1000):
-                raise PeerDeadError(
-                    f"scheduler at {self.address} sent nothing for {self.timeout_s:.0f}s "
-                    f"about {rid}"
-                )
-            header = wire.unpack(self._sock.recv_multipart())
-            if header.get("op_id") != op_id:
+            op_id = next(self._op_ids)
+            _, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
+            _drain(self._monitor)
+            self._sock.send_multipart(frames)
+            try:
+                yield from self._try(op_id, rid, delivered)
+                return
+            except _Fault as fault:
+                faults.append(str(fault))
+            if len(faults) > self.resubmits:
+                raise SchedulerLostError(self.address, rid, faults)
+
+    def _try(self, op_id: int, rid: str, delivered: list[int]):
+        """Replies to ``op_id`` until the result; :class:`_Fault` when this try is lost."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(self.timeout_s * 1000))
+            if self._monitor in ready:
+                raise _Fault("connection lost")
+            if not ready:
+                raise _Fault(f"sent nothing for {self.timeout_s:.0f}s about {rid}")
+            header = _unpack(self._sock.recv_multipart())
+            if header is None or header.get("op_id") != op_id:
                 continue
             item = _decode(header)
+            if isinstance(item, Chunk):
+                item = _fresh(item, delivered[0])
+                if item is None:
+                    continue
+                delivered[0] += len(item.token_ids)
             yield item
             if isinstance(item, GenerateResult):
                 return
@@ -167,6 +253,9 @@ class GenerateClient:
             raise PeerDeadError(f"scheduler at {self.address}: {exc}") from None
 
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
         self._ctx.term()
 
@@ -180,24 +269,36 @@ class GenerateClient:
 class AsyncGenerateClient:
     """Many requests in flight on one socket; a reader task routes replies by op_id."""
 
-    def __init__(self, address: str, *, timeout_s: float = 120.0) -> None:
-        self.address, self.timeout_s = address, timeout_s
+    def __init__(
+        self, address: str, *, timeout_s: float = 120.0, resubmits: int = DEFAULT_RESUBMITS
+    ) -> None:
+        self.address, self.timeout_s, self.resubmits = address, timeout_s, resubmits
         self._ctx = zmq.asyncio.Context()
         self._sock = rpc.dealer(self._ctx, address)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._op_ids = itertools.count(1)
         self._inbox: dict[int, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def _read(self) -> None:
         while True:
-            header = wire.unpack(await self._sock.recv_multipart())
-            queue = self._inbox.get(header.get("op_id"))
+            header = _unpack(await self._sock.recv_multipart())
+            queue = self._inbox.get(header.get("op_id")) if header is not None else None
             if queue is not None:
                 queue.put_nowait(header)
+
+    async def _watch(self) -> None:
+        """Every disconnect ends the current try of every request in flight."""
+        while True:
+            await self._monitor.recv_multipart()
+            for queue in self._inbox.values():
+                queue.put_nowait(None)
 
     def _ensure_reader(self) -> None:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read(), name="generate-client-reader")
+            self._watcher = asyncio.create_task(self._watch(), name="generate-client-watch")
 
     async def stream(
         self, input_ids=None, *, text=None, sampling=None, rid=None, priority=None
@@ -215,11 +316,15 @@ class AsyncGenerateClient:
 
     async def _call(self, header: dict[str, Any]) -> dict[str, Any]:
         op_id = next(self._op_ids)
-        async for reply in self._replies(op_id, wire.pack({**header, "op_id": op_id})):
-            return reply
+        try:
+            async for reply in self._replies(op_id, wire.pack({**header, "op_id": op_id})):
+                return reply
+        except _Fault as fault:
+            raise PeerDeadError(f"scheduler at {self.address}: {fault}") from None
         raise AssertionError("unreachable")
 
     async def _replies(self, op_id: int, frames: list[bytes]) -> AsyncIterator[dict[str, Any]]:
+        """Replies to ``op_id``; :class:`_Fault` on a disconnect or ``timeout_s`` of silence."""
         self._ensure_reader()
         queue: asyncio.Queue = asyncio.Queue()
         self._inbox[op_id] = queue
@@ -227,22 +332,39 @@ class AsyncGenerateClient:
             await self._sock.send_multipart(frames)
             while True:
                 try:
-                    yield await asyncio.wait_for(queue.get(), self.timeout_s)
+                    header = await asyncio.wait_for(queue.get(), self.timeout_s)
                 except TimeoutError:
-                    raise PeerDeadError(
-                        f"scheduler at {self.address} sent nothing for {self.timeout_s:.0f}s"
-                    ) from None
+                    raise _Fault(f"sent nothing for {self.timeout_s:.0f}s") from None
+                if header is None:
+                    raise _Fault("connection lost")
+                yield header
         finally:
             del self._inbox[op_id]
 
     async def _run(self, input_ids, text, sampling, rid, stream, priority):
-        op_id = next(self._op_ids)
-        rid, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
-        async for header in self._replies(op_id, frames):
-            item = _decode(header)
-            yield item
-            if isinstance(item, GenerateResult):
-                return
+        rid = rid or uuid.uuid4().hex
+        delivered = 0  # output tokens given out
+        faults: list[str] = []
+        while True:
+            op_id = next(self._op_ids)
+            _, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
+            replies = self._replies(op_id, frames)
+            try:
+                async with contextlib.aclosing(replies):
+                    async for header in replies:
+                        item = _decode(header)
+                        if isinstance(item, Chunk):
+                            item = _fresh(item, delivered)
+                            if item is None:
+                                continue
+                            delivered += len(item.token_ids)
+                        yield item
+                        if isinstance(item, GenerateResult):
+                            return
+            except _Fault as fault:
+                faults.append(str(fault))
+            if len(faults) > self.resubmits:
+                raise SchedulerLostError(self.address, rid, faults)
 
     async def abort(self, rid: str) -> bool:
         return bool((await self._call({"op": "abort", "rid": rid})).get("found"))
@@ -251,10 +373,14 @@ class AsyncGenerateClient:
         return await self._call({"op": "info"})
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
         self._ctx.term()
 

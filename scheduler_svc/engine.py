@@ -120,6 +120,10 @@ class Engine:
     def idle(self) -> bool:
         return not (self.waiting or self.running or self.chunked or self._commands)
 
+    def idle_wait_s(self, default: float) -> float:
+        """How long the loop may sleep when a step did nothing (PD: transfers to poll)."""
+        return default
+
     async def _apply_commands(self) -> None:
         while self._commands:
             kind, item = self._commands.popleft()
@@ -201,7 +205,9 @@ class Engine:
             if decision.result is not AddResult.CONTINUE:
                 break
         if not batch:
-            return bool(adder.admitted)  # resumed from the host store, nothing to compute
+            # Resumed from the host store: nothing to compute. An admission whose
+            # allocation then failed was undone above: no progress (else this spins).
+            return any(a.req in self.running for a in adder.admitted)
         log.debug(
             "prefill %d reqs (%d tokens); running %d, waiting %d, ratio %.3f, budget %s",
             len(batch),
@@ -261,17 +267,21 @@ class Engine:
                 self.stats.reprefilled_tokens += count
             if not req.complete_extend():
                 continue  # a chunk: the token sampled after it is not an output
-            req.append_token(int(token))
-            self.stats.generated_tokens += 1
-            if req.check_finished(self.eos_token_ids):
-                await self._finish(req)
-                continue
-            req.start_decode()
-            # Publish the prompt to the prefix tree (SGLang's cache_unfinished_req):
-            # a retracted request later finds it there and recomputes only its tail.
-            await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
-            self.running.append(req)
-            self.emit(req, False)
+            await self._prefilled(req, int(token))
+
+    async def _prefilled(self, req: Req, token: int) -> None:
+        """The final prefill round sampled ``token``: start decoding (or finish)."""
+        req.append_token(token)
+        self.stats.generated_tokens += 1
+        if req.check_finished(self.eos_token_ids):
+            await self._finish(req)
+            return
+        req.start_decode()
+        # Publish the prompt to the prefix tree (SGLang's cache_unfinished_req):
+        # a retracted request later finds it there and recomputes only its tail.
+        await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
+        self.running.append(req)
+        self.emit(req, False)
 
     # -- decode ------------------------------------------------------------------
 

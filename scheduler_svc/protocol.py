@@ -41,6 +41,10 @@ class Generate(Message):
     sampling: GenSampling = Field(default_factory=GenSampling)
     stream: bool = False
     priority: int | None = None
+    # PD mode: set by the router; pairs the prefill and decode sides of one request.
+    bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
+    # PD re-bootstrap: the decode side knows this request by another rid.
+    bootstrap_rid: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _one_input(self) -> Generate:

@@ -6,16 +6,27 @@ requests (validating each one at the edge and answering bad ones at once),
 replies in order. Intake applies the SGLang rules that keep a request from
 waiting forever: an input that can never fit the pool is rejected with 400,
 and ``max_new_tokens`` is clamped so that one request alone always fits.
+
+Faults: a step that fails because a peer failed goes to
+:class:`scheduler_svc.recovery.Recovery`, which repairs the engine's queues
+(a new memsvc session and re-prefill when the KV was lost); only a fault it
+cannot repair ends every live request, with an error that names it. A
+``generate`` whose rid is still live (a client re-submitting after it lost
+its connection, or a duplicated message) attaches to the running request
+instead of starting it twice; one whose rid finished recently is answered
+from a small cache of results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import signal
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +47,12 @@ from scheduler_svc.core import (
     clamp_max_new_tokens,
 )
 from scheduler_svc.engine import Engine
+from scheduler_svc.recovery import Recovery, RecoveryFailedError
 
 log = logging.getLogger("scheduler_svc")
 
 IDLE_WAIT_S = 0.5
+FINISHED_CACHE_SIZE = 1024  # results kept to answer a re-submitted rid
 
 
 @dataclass
@@ -51,6 +64,7 @@ class Waiter:
     stream: bool
     started: float
     sent: int = 0  # output tokens already streamed
+    fingerprint: str = ""  # input + sampling: a re-submission must match it
 
 
 class SchedulerService:
@@ -66,8 +80,12 @@ class SchedulerService:
         vocab_size: int,
         ready_file: str | None = None,
         ready_info: dict[str, Any] | None = None,
+        recovery: Recovery | None = None,
+        mode: str = "normal",
     ) -> None:
         self.engine = engine
+        self.mode = mode
+        self.recovery = recovery or Recovery(engine, None)
         self.ready_info = ready_info or {}
         self.listen = listen
         self.tokenizer = tokenizer
@@ -77,10 +95,14 @@ class SchedulerService:
         self.vocab_size = vocab_size
         self.ready_file = ready_file
         self._waiters: dict[str, Waiter] = {}
+        # rid -> (fingerprint, done reply without op_id), most recent last
+        self._finished: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         engine.emit = self._emit
+        if mode == "decode":
+            engine.on_rebootstrap = self._rebootstrap
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -151,14 +173,32 @@ class SchedulerService:
         while True:
             try:
                 did = await self.engine.step()
+                self.recovery.step_succeeded()
             except (MemsvcError, ModelSvcError, PeerDeadError) as exc:
-                log.exception("scheduling step failed")
-                await self._fail_everything(f"{type(exc).__name__}: {exc}")
-                did = False
+                log.warning("scheduling step failed: %s: %s", type(exc).__name__, exc)
+                did = await self._recover(exc)
             if not did:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), IDLE_WAIT_S)
+                    await asyncio.wait_for(
+                        self._wake.wait(), self.engine.idle_wait_s(IDLE_WAIT_S)
+                    )
+
+    async def _recover(self, exc: BaseException) -> bool:
+        """Repair the engine after a failed step; True if there is work to go on with."""
+        try:
+            pause = await self.recovery.recover(exc)
+        except RecoveryFailedError as failure:
+            log.error("cannot recover: %s", failure)
+            await self._fail_everything(str(failure))
+            return False
+        except (MemsvcError, ModelSvcError) as failure:  # failed again while repairing
+            log.exception("recovery failed")
+            await self._fail_everything(f"{type(exc).__name__}: {exc}; then {failure}")
+            return False
+        if pause:
+            await asyncio.sleep(pause)
+        return True
 
     async def _send(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -172,14 +212,23 @@ class SchedulerService:
         if msg.op == "abort":
             found = self.engine.abort(msg.rid)
             return wire.pack({"ok": True, "op_id": msg.op_id, "found": found})
-        if msg.rid in self._waiters:
-            return _error(
-                msg.op_id, "duplicate_rid", f"request {msg.rid!r} is already running", 400
-            )
         if msg.input_ids is not None:
             input_ids = msg.input_ids.tolist()
         else:
             input_ids = self.tokenizer.encode(msg.text)
+        fingerprint = _fingerprint(input_ids, msg)
+        if self.mode != "normal" and msg.bootstrap_room is None:
+            return _error(
+                msg.op_id,
+                "bad_request",
+                f"a {self.mode} node takes requests from the router (no bootstrap_room)",
+                400,
+            )
+        if msg.rid in self._waiters:
+            return self._attach(identity, msg, self._waiters[msg.rid], fingerprint)
+        cached = self._finished.get(msg.rid)
+        if cached is not None and cached[0] == fingerprint:
+            return wire.pack({**cached[1], "op_id": msg.op_id})
         if any(not 0 <= t < self.vocab_size for t in input_ids):
             return _error(
                 msg.op_id, "bad_request", f"token ids must be in 0..{self.vocab_size - 1}", 400
@@ -197,6 +246,8 @@ class SchedulerService:
             len(input_ids), sampling.max_new_tokens, self.capacity, self.page_size
         )
         max_new = min(max_new, self.max_context_len - len(input_ids) - 1)
+        if self.mode == "prefill":
+            max_new = min(max_new, 1)  # the decode node generates the rest
         req = Req(
             msg.rid,
             input_ids,
@@ -210,8 +261,12 @@ class SchedulerService:
                 seed=sampling.seed or None,
             ),
             priority=msg.priority,
+            bootstrap_room=msg.bootstrap_room,
+            bootstrap_rid=msg.bootstrap_rid,
         )
-        self._waiters[msg.rid] = Waiter(identity, msg.op_id, msg.stream, time.monotonic())
+        self._waiters[msg.rid] = Waiter(
+            identity, msg.op_id, msg.stream, time.monotonic(), fingerprint=fingerprint
+        )
         if max_new == 0:  # nothing to generate: done at once
             self._waiters.pop(msg.rid)
             return wire.pack(
@@ -229,6 +284,32 @@ class SchedulerService:
                 }
             )
         self.engine.submit(req)
+        return None
+
+    def _attach(
+        self, identity: bytes, msg: Any, waiter: Waiter, fingerprint: str
+    ) -> list[bytes] | None:
+        """A live rid again: the same request re-submitted takes over its replies.
+
+        The stream restarts at offset 0 (the client drops what it already has);
+        the same message twice (same sender and op_id) changes nothing.
+        """
+        if waiter.fingerprint != fingerprint:
+            return _error(
+                msg.op_id, "duplicate_rid", f"request {msg.rid!r} is already running", 400
+            )
+        if (waiter.identity, waiter.op_id) == (identity, msg.op_id):
+            return None
+        log.info("request %s re-submitted: attaching to the live request", msg.rid)
+        waiter.identity, waiter.op_id, waiter.stream, waiter.sent = (
+            identity,
+            msg.op_id,
+            msg.stream,
+            0,
+        )
+        req = self.engine.reqs.get(msg.rid)
+        if req is not None and not req.is_finished:
+            self._emit(req, False)
         return None
 
     # -- replies -----------------------------------------------------------------
@@ -261,6 +342,10 @@ class SchedulerService:
             "meta_info": _meta(req, time.monotonic() - waiter.started),
         }
         self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
+        self._finished[req.rid] = (waiter.fingerprint, {k: v for k, v in header.items()})
+        self._finished.move_to_end(req.rid)
+        while len(self._finished) > FINISHED_CACHE_SIZE:
+            self._finished.popitem(last=False)
 
     async def _fail_everything(self, why: str) -> None:
         """A peer failed mid-step: end every live request with an explicit error."""
@@ -272,6 +357,23 @@ class SchedulerService:
         self.engine.waiting.clear()
         self.engine.running.clear()
         self.engine.chunked = None
+        self.recovery.stats.failures += 1
+        await self.recovery.reclaim()  # a new memsvc session: nothing we held stays held
+
+    def _rebootstrap(self, req: Req, room: int, input_ids: list[int]) -> None:
+        """Decode node: ask the router to have ``input_ids`` re-prefilled into ``room``."""
+        waiter = self._waiters.get(req.rid)
+        if waiter is None:
+            return
+        header = {
+            "ok": True,
+            "op_id": waiter.op_id,
+            "type": "rebootstrap",
+            "rid": req.rid,
+            "room": room,
+            "input_ids": input_ids,
+        }
+        self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -281,12 +383,26 @@ class SchedulerService:
             "max_context_len": self.max_context_len,
             "retraction_policy": engine.config.retraction_policy,
             "schedule_conservativeness": engine.config.schedule_conservativeness,
-            "mode": "normal",
+            "mode": self.mode,
+            "retract_mode": engine.config.retract_mode,
             "new_token_ratio": engine.ratio.current,
             "num_running": len(engine.running),
             "num_waiting": len(engine.waiting),
             "stats": engine.stats.as_dict(),
+            "recovery": {
+                **self.recovery.stats.as_dict(),
+                "model_resends": getattr(engine.model, "resends", 0),
+            },
+            **self._pd_info(),
         }
+
+    def _pd_info(self) -> dict[str, Any]:
+        engine = self.engine
+        if self.mode == "decode":
+            return {"queues": engine.queue_lengths(), "timeline": list(engine.timeline)}
+        if self.mode == "prefill":
+            return {"queues": {"inflight": len(engine.inflight), "waiting": len(engine.waiting)}}
+        return {}
 
 
 def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
@@ -299,6 +415,15 @@ def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
         "num_retractions": req.retraction_count,
         "e2e_latency": e2e_latency,
     }
+
+
+def _fingerprint(input_ids: list[int], msg: Any) -> str:
+    """What makes two submissions of one rid the same request."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(input_ids).encode())
+    digest.update(msg.sampling.model_dump_json().encode())
+    digest.update(repr(msg.priority).encode())
+    return digest.hexdigest()
 
 
 def _error(op_id: int | None, code: str, message: str, status_code: int) -> list[bytes]:

@@ -1,0 +1,306 @@
+"""Putting the scheduler back together after a memsvc fault, on the engine's own state.
+
+An engine step that raises has stopped half-way: a prefill batch may hold
+rows and slots whose forward pass never ran, a decode step may have
+allocated slots it never filled. :class:`Recovery` decides what the failure
+means and repairs the engine's queues (``running``, ``waiting``,
+``chunked``, ``reqs``) so that the next step starts from a consistent state:
+
+- **memsvc lost our KV** (it restarted with a new epoch and an empty pool, it
+  stopped answering, it expired our session after a stall, or it rejected a
+  message damaged in transit): open a new session (with backoff, bounded by
+  ``recovery_timeout_s``), end the old one so memsvc reclaims whatever it
+  still held, and treat every request that held KV (running, the chunked
+  one, one in a half-built prefill batch) as retracted: ``reset_for_retract``
+  keeps its output, and it is re-prefilled from ``origin_input_ids +
+  output_ids`` ahead of the requests that never started. With greedy (or
+  seeded) sampling its tokens come out the same.
+- **a request id is owned by another session** (the session of a scheduler
+  that died before us, until memsvc ends it): undo the half-built batch and
+  try again shortly; past the timeout the request ends with an explicit error.
+- anything else: :class:`RecoveryFailedError`, and the service ends every
+  live request with an explicit error (then reclaims the KV with a new session).
+
+The session id of the live session is kept in ``session_file`` (if given), so
+a scheduler restarted by the supervisor ends its dead predecessor's session at
+once instead of waiting for the lease to run out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from memsvc import protocol as wire
+from memsvc import rpc
+from memsvc.client import AsyncMemClient, EpochChangedError, PeerDeadError, RequestRejectedError
+from memsvc.core.errors import MemsvcError
+from memsvc.sessions import NotOwnerError, UnknownSessionError
+from model_svc.client import ForwardError
+from scheduler_svc.core import Req, ReqState
+
+log = logging.getLogger("scheduler_svc")
+
+# Failures after which the pool (or our session in it) is gone or in an unknown state.
+KV_LOST_ERRORS = (EpochChangedError, PeerDeadError, UnknownSessionError, RequestRejectedError)
+MAX_CONSECUTIVE_RESETS = 3  # resets without one clean step in between: give up
+NOT_OWNER_PAUSE_S = 0.25
+BACKOFF_START_S = 0.1
+BACKOFF_MAX_S = 2.0
+GOODBYE_TIMEOUT_S = 2.0
+HOLDS_KV = (ReqState.PREFILLING, ReqState.RUNNING)
+
+
+class RecoveryFailedError(Exception):
+    """The fault cannot be repaired; the message names it (it goes to every live request)."""
+
+
+@dataclass
+class RecoveryStats:
+    memsvc_resets: int = 0  # new sessions opened after losing the KV
+    requeued_reqs: int = 0  # requests re-prefilled because their KV was lost
+    rolled_back_reqs: int = 0  # requests taken out of a half-built prefill batch
+    not_owner_waits: int = 0
+    failures: int = 0  # faults that ended every live request
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def kv_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` means our memsvc session's KV is gone or can no longer be trusted."""
+    if isinstance(exc, KV_LOST_ERRORS):
+        return True
+    # model_svc maps a newer pool than the one we named: memsvc restarted under us.
+    return isinstance(exc, ForwardError) and exc.code == "stale_pool"
+
+
+def requeue_kv_holders(engine: Any) -> list[Req]:
+    """Every request that held KV becomes retracted and goes to the front of ``waiting``.
+
+    Requests that finished (or were aborted) in the failed step before their
+    release reached memsvc are reported now: their output is complete.
+    """
+    requeued = []
+    for req in list(engine.reqs.values()):
+        if req.is_finished:
+            _report(engine, req)
+        elif req.state in HOLDS_KV:
+            req.reset_for_retract()
+            requeued.append(req)
+    engine.running.clear()
+    engine.chunked = None
+    _put_in_front(engine, requeued)
+    return requeued
+
+
+async def rollback_torn(engine: Any) -> list[Req]:
+    """Undo the requests a failed step left half-scheduled; the consistent ones stay.
+
+    Consistent between steps: a RUNNING request in ``running``, the chunked
+    request with no chunk in flight, and queued requests without a row.
+    Anything else that holds KV has its row freed and is re-queued, first.
+    """
+    keep = {id(r) for r in engine.running if r.state is ReqState.RUNNING}
+    chunked = engine.chunked
+    between_chunks = chunked is not None and chunked.state is ReqState.PREFILLING
+    if between_chunks and not chunked.extend_in_flight:
+        keep.add(id(chunked))
+    torn = []
+    for req in list(engine.reqs.values()):
+        if req.is_finished:
+            _report(engine, req)
+        elif req.state in HOLDS_KV and id(req) not in keep:
+            await engine.mem.free_row(req.rid)
+            req.reset_for_retract()
+            torn.append(req)
+    engine.running[:] = [r for r in engine.running if id(r) in keep]
+    if engine.chunked is not None and id(engine.chunked) not in keep:
+        engine.chunked = None
+    _put_in_front(engine, torn)
+    return torn
+
+
+def _put_in_front(engine: Any, reqs: list[Req]) -> None:
+    if not reqs:
+        return
+    rest = [r for r in engine.waiting if all(r is not q for q in reqs)]
+    engine.waiting.clear()
+    engine.waiting.extend([*reqs, *rest])
+
+
+def _report(engine: Any, req: Req) -> None:
+    engine.reqs.pop(req.rid, None)
+    for queue in (engine.running, engine.waiting):
+        if req in queue:
+            queue.remove(req)
+    if engine.chunked is req:
+        engine.chunked = None
+    engine.emit(req, True)
+
+
+async def end_session(address: str, session: str, timeout_s: float = GOODBYE_TIMEOUT_S) -> bool:
+    """Say goodbye for ``session`` (memsvc reclaims all it held); True if memsvc ended it."""
+    ctx = zmq.asyncio.Context()
+    sock = rpc.dealer(ctx, address)
+    try:
+        frames = wire.pack({"op": "goodbye", "op_id": 1, "session": session})
+        reply = await rpc.request_async(sock, frames, 1, timeout_s, 1)
+        return bool(reply.get("ok"))
+    except rpc.NoReplyError:
+        return False
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+class Recovery:
+    """Repairs the engine after a failed step (see the module docstring).
+
+    ``connect_mem()`` opens a new memsvc session (an :class:`AsyncMemClient`
+    like the engine's) at ``memsvc_address``; ``recovery_timeout_s`` bounds
+    each wait for memsvc. Without ``connect_mem`` every fault is final.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        connect_mem: Callable[[], Awaitable[AsyncMemClient]] | None,
+        memsvc_address: str = "",
+        *,
+        recovery_timeout_s: float = 120.0,
+        session_file: str | os.PathLike | None = None,
+    ) -> None:
+        self.engine = engine
+        self.connect_mem = connect_mem
+        self.memsvc_address = memsvc_address
+        self.recovery_timeout_s = recovery_timeout_s
+        self.session_file = Path(session_file) if session_file else None
+        self.stats = RecoveryStats()
+        self._consecutive = 0
+        self._blocked: tuple[str, float] | None = None  # (rid, since) refused as not ours
+
+    # -- start-up --------------------------------------------------------------
+
+    async def adopt_session(self) -> None:
+        """End the session a dead predecessor left in ``session_file``, then record ours."""
+        if self.session_file is None:
+            return
+        with contextlib.suppress(OSError):
+            old = self.session_file.read_text().strip()
+            if old and old != self.engine.mem.session:
+                ended = await end_session(self.memsvc_address, old)
+                log.info("ended the previous scheduler's memsvc session: %s", ended)
+        self._record_session()
+
+    def _record_session(self) -> None:
+        if self.session_file is None or self.engine.mem.session is None:
+            return
+        tmp = self.session_file.with_name(self.session_file.name + ".tmp")
+        tmp.write_text(self.engine.mem.session)
+        os.replace(tmp, self.session_file)
+
+    # -- after a failed step ---------------------------------------------------
+
+    def step_succeeded(self) -> None:
+        self._consecutive = 0
+
+    async def recover(self, exc: BaseException) -> float:
+        """Repair the engine after ``exc``; returns seconds to pause before the next step.
+
+        Raises :class:`RecoveryFailedError` when the fault cannot be repaired.
+        """
+        if isinstance(exc, NotOwnerError):
+            try:
+                return await self._not_owner(exc)
+            except MemsvcError as again:
+                exc = again  # memsvc failed while we undid the batch: start over
+        if not kv_lost(exc) or self.connect_mem is None:
+            raise RecoveryFailedError(f"{type(exc).__name__}: {exc}")
+        self._consecutive += 1
+        if self._consecutive > MAX_CONSECUTIVE_RESETS:
+            raise RecoveryFailedError(
+                f"memsvc failed {self._consecutive} times in a row, last: "
+                f"{type(exc).__name__}: {exc}"
+            )
+        await self.new_session(f"{type(exc).__name__}: {exc}")
+        requeued = requeue_kv_holders(self.engine)
+        self.stats.requeued_reqs += len(requeued)
+        log.warning(
+            "memsvc recovery: new session (epoch %s); %d requests re-queued for re-prefill: %s",
+            self.engine.mem.epoch,
+            len(requeued),
+            [r.rid for r in requeued],
+        )
+        return 0.0
+
+    async def _not_owner(self, exc: NotOwnerError) -> float:
+        head = self.engine.waiting[0] if self.engine.waiting else None
+        torn = await rollback_torn(self.engine)
+        self.stats.rolled_back_reqs += len(torn)
+        self.stats.not_owner_waits += 1
+        if head is None:
+            return NOT_OWNER_PAUSE_S
+        now = time.monotonic()
+        if self._blocked is None or self._blocked[0] != head.rid:
+            self._blocked = (head.rid, now)
+            log.warning("request %s is still held by another memsvc session: waiting", head.rid)
+        elif now - self._blocked[1] > self.recovery_timeout_s:
+            self._blocked = None
+            head.abort(f"request id {head.rid!r} is held by another memsvc session: {exc}", 409)
+            self.engine.stats.aborted_reqs += 1
+            _report(self.engine, head)
+        return NOT_OWNER_PAUSE_S
+
+    async def new_session(self, why: str, *, timeout_s: float | None = None) -> None:
+        """Swap the engine's memsvc client for a new session; end the old one.
+
+        The old client stays in place until the new one is connected, so the
+        engine always holds a usable client.
+        """
+        timeout_s = self.recovery_timeout_s if timeout_s is None else timeout_s
+        fresh = await self._connect(time.monotonic() + timeout_s, why)
+        old = self.engine.mem
+        old_session = old.session
+        self.engine.mem = fresh
+        self.stats.memsvc_resets += 1
+        close = getattr(old, "close", None)  # an in-process client (tests, sim) has none
+        if close is not None:
+            await close(goodbye=False)
+        if old_session is not None and fresh.epoch == old.epoch:
+            await end_session(self.memsvc_address, old_session)  # memsvc reclaims what it held
+        self._record_session()
+
+    async def reclaim(self) -> None:
+        """After every live request was failed: a new session, so nothing stays held."""
+        if self.connect_mem is None:
+            return
+        try:
+            await self.new_session("reclaim after failure", timeout_s=GOODBYE_TIMEOUT_S * 3)
+        except RecoveryFailedError as exc:
+            log.warning("could not reclaim the scheduler's KV now: %s", exc)
+
+    async def _connect(self, deadline: float, why: str) -> AsyncMemClient:
+        delay = BACKOFF_START_S
+        last = why
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(self.connect_mem(), left)
+            except (MemsvcError, TimeoutError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+        raise RecoveryFailedError(
+            f"memsvc did not come back within {self.recovery_timeout_s:.0f}s after {why} "
+            f"(last: {last})"
+        )

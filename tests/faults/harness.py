@@ -1,0 +1,542 @@
+"""Seeded fault scenarios against a supervised normal-mode stack under KV pressure.
+
+:class:`FaultHarness` starts one stack under :class:`Supervisor` (memsvc +
+model_svc + scheduler_svc, a 256-token pool and a low schedule
+conservativeness, so the workload below forces retracts) with a
+:class:`FaultProxy` on each of the scheduler's links (to memsvc, to model_svc)
+and one in front of the scheduler, and computes the fault-free reference
+outputs (greedy) once. Each :class:`Scenario` then runs the same workload
+under new rids (streaming, so delivery is checked chunk by chunk) and injects
+one fault at a seeded point (after a number of streamed tokens):
+
+==========================  ===================================================
+``kill_memsvc``              SIGKILL memsvc (restarted: new epoch, empty pool)
+``kill_model_svc``           SIGKILL model_svc
+``kill_scheduler_svc``       SIGKILL the scheduler (clients re-submit)
+``kill_memsvc_in_retract``   SIGKILL memsvc the moment a ``retract`` op passes
+``stall``                    SIGSTOP one process longer than the timeouts, then SIGCONT
+``wire``                     drop / duplicate / delay / garble / truncate messages
+                             on every link for a while
+==========================  ===================================================
+
+After each scenario it checks: every request finished with the reference
+tokens (and its stream delivered each token once, in order) or ended with an
+explicit error; none was lost (the harness deadline is the only way to be
+lost); the stack is healthy again; memsvc passes its idle invariant with no
+page held and no host-store byte used; no process the supervisor started is
+left over besides the live ones, and no shared-memory segment of a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memsvc.client import MemClient
+from memsvc.core.backends.shm import list_segments, segment_owner_pid
+from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
+from scheduler_svc.supervisor import RestartPolicy, StackOptions, Supervisor, normal_stack
+from tests.faults.proxy import FaultPlan, FaultProxy
+
+PAGE_SIZE = 4
+NUM_PAGES = 64  # 256 tokens: the long request takes most of it
+POOL = [
+    "--page-size",
+    str(PAGE_SIZE),
+    "--num-pages",
+    str(NUM_PAGES),
+    "--max-running-requests",
+    "32",
+    "--max-context-len",
+    "512",
+]
+# Short timeouts so that faults are noticed in seconds; generous enough for 2 slow cores.
+MEMSVC_TIMEOUT_S, MEMSVC_LEASE_S, WORKER_TIMEOUT_S = 1.5, 4.0, 5.0
+SCHEDULER = [
+    "--schedule-conservativeness",
+    "0.3",
+    "--memsvc-timeout",
+    str(MEMSVC_TIMEOUT_S),
+    "--memsvc-lease",
+    str(MEMSVC_LEASE_S),
+    "--worker-timeout",
+    str(WORKER_TIMEOUT_S),
+    "--recovery-timeout",
+    "90",
+]
+# SGLang's own test knob adds a retract every few forward passes on top of the
+# pool's pressure, so that every scenario retracts (and a retract can be hit).
+SCHEDULER_ENV = {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "8"}
+CLIENT_TIMEOUT_S = 15.0
+CLIENT_RESUBMITS = 6
+SCENARIO_DEADLINE_S = 240.0  # a request still open by then is "lost"
+SETTLE_TIMEOUT_S = 60.0
+# How long each process is stopped in a stall: longer than what notices it
+# (memsvc: 3 tries of the op timeout, and the lease; model_svc: 2 forward
+# timeouts; scheduler: the client's silence timeout).
+STALL_S = {"memsvc": 6.0, "model_svc": 11.0, "scheduler_svc": CLIENT_TIMEOUT_S + 2}
+WIRE_PLAN = FaultPlan(drop=0.01, duplicate=0.03, delay=0.04, garble=0.01, truncate=0.01)
+WIRE_WINDOW_S = 4.0
+
+KINDS = (
+    "kill_model_svc",
+    "kill_memsvc",
+    "kill_scheduler_svc",
+    "kill_memsvc_in_retract",
+    "stall",
+    "wire",
+)
+SERVICES = ("memsvc", "model_svc", "scheduler_svc")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    prompt: list[int]
+    max_new: int
+
+
+def workload(seed: int, count: int = 12) -> list[Job]:
+    """One request whose prompt takes most of the pool, and shorter ones (as in the demo).
+
+    Outputs are longer than the demo's so that decoding runs out of pages.
+    """
+    rng = random.Random(seed)
+    jobs = [Job("long", [rng.randrange(256) for _ in range(int(PAGE_SIZE * NUM_PAGES * 0.6))], 60)]
+    for i in range(count):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(4, 24))]
+        jobs.append(Job(f"short-{i}", prompt, rng.randint(16, 60)))
+    return jobs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    index: int
+    kind: str
+    target: str | None  # the process a kill or stall hits
+    trigger_tokens: int  # inject after this many streamed tokens
+
+    @property
+    def label(self) -> str:
+        return f"#{self.index} {self.kind}" + (f" {self.target}" if self.target else "")
+
+
+@dataclass
+class Outcome:
+    job: str
+    status: str  # identical | error | mismatch | lost
+    detail: str = ""
+    retractions: int = 0
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    outcomes: list[Outcome]
+    faults: Counter
+    problems: list[str] = field(default_factory=list)  # failed checks
+    pages_leaked: int = 0
+    host_bytes_left: int = 0
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(1 for o in self.outcomes if o.status == status)
+
+    @property
+    def retractions(self) -> int:
+        return sum(o.retractions for o in self.outcomes)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.count("lost") == 0 and self.count("mismatch") == 0
+
+
+@dataclass
+class Totals:
+    """What the soak prints."""
+
+    scenarios: int = 0
+    faults: Counter = field(default_factory=Counter)
+    accepted: int = 0
+    retractions: int = 0
+    identical: int = 0
+    errors: int = 0
+    mismatched: int = 0
+    lost: int = 0
+    pages_leaked: int = 0
+    host_bytes_left: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, result: ScenarioResult) -> None:
+        self.scenarios += 1
+        self.faults.update(result.faults)
+        self.accepted += len(result.outcomes)
+        self.retractions += result.retractions
+        self.identical += result.count("identical")
+        self.errors += result.count("error")
+        self.mismatched += result.count("mismatch")
+        self.lost += result.count("lost")
+        self.pages_leaked += result.pages_leaked
+        self.host_bytes_left += result.host_bytes_left
+        self.problems += [f"{result.scenario.label}: {p}" for p in result.problems]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scenarios_run": self.scenarios,
+            "faults_injected": dict(sorted(self.faults.items())),
+            "requests_accepted": self.accepted,
+            "retractions": self.retractions,
+            "completed_identical": self.identical,
+            "ended_with_error": self.errors,
+            "mismatched": self.mismatched,
+            "lost": self.lost,
+            "pages_leaked": self.pages_leaked,
+            "host_store_bytes_left": self.host_bytes_left,
+            "problems": self.problems,
+        }
+
+
+class _Progress:
+    """Streamed tokens so far, and an event once a threshold is passed."""
+
+    def __init__(self, threshold: int) -> None:
+        self.tokens = 0
+        self.threshold = threshold
+        self.reached = asyncio.Event()
+
+    def add(self, count: int) -> None:
+        self.tokens += count
+        if self.tokens >= self.threshold:
+            self.reached.set()
+
+
+class FaultHarness:
+    """``with FaultHarness(dir, seed) as h: h.run(h.scenario(0, "kill_memsvc"))``."""
+
+    def __init__(
+        self, workdir: str | os.PathLike, seed: int, *, checkpoint: str | None = None
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.jobs = workload(seed)
+        self.reference: dict[str, list[int]] = {}
+        self._stack = contextlib.ExitStack()
+        run_dir = self.workdir / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.proxies = {
+            "memsvc": FaultProxy(
+                f"ipc://{run_dir}/via-memsvc.sock",
+                f"ipc://{run_dir}/memsvc.sock",
+                seed=seed * 3 + 1,
+                name="proxy-memsvc",
+                on_request=self._watch_memsvc,
+            ),
+            "model_svc": FaultProxy(
+                f"ipc://{run_dir}/via-model.sock",
+                f"ipc://{run_dir}/model_svc.sock",
+                seed=seed * 3 + 2,
+                name="proxy-model",
+            ),
+            "client": FaultProxy(
+                f"ipc://{run_dir}/via-scheduler.sock",
+                f"ipc://{run_dir}/scheduler_svc.sock",
+                seed=seed * 3 + 3,
+                name="proxy-client",
+            ),
+        }
+        options = StackOptions(
+            checkpoint=checkpoint,
+            memsvc_args=POOL,
+            scheduler_args=SCHEDULER,
+            env=SCHEDULER_ENV,
+            via={name: self.proxies[name].front for name in ("memsvc", "model_svc")},
+        )
+        self.supervisor = Supervisor(
+            normal_stack(run_dir, options),
+            run_dir,
+            policy=RestartPolicy(initial_s=0.2, max_s=3.0, stable_s=5.0, ready_timeout_s=180.0),
+            health_interval_s=2.0,
+            health_timeout_s=5.0,
+        )
+        self._retract_trap = threading.Event()  # armed: kill memsvc when a retract passes
+        self.retract_kills = 0
+        self.leftovers: list[str] = []  # what stopping the stack found left behind
+
+    # -- life ----------------------------------------------------------------------
+
+    def __enter__(self) -> FaultHarness:
+        try:
+            for proxy in self.proxies.values():
+                self._stack.enter_context(proxy)
+            self._stack.enter_context(self.supervisor.running())
+            self.reference = self._reference()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pids = self.supervisor.all_pids()
+        self._stack.close()
+        alive = sorted(pid for pid in pids if _alive(pid))
+        segments = [n for n in list_segments() if segment_owner_pid(n) in pids]
+        if alive:
+            self.leftovers.append(f"processes still alive after stop: {alive}")
+        if segments:
+            self.leftovers.append(f"shm segments left after stop: {segments}")
+
+    @property
+    def scheduler(self) -> str:
+        return self.supervisor.address("scheduler_svc")
+
+    def _reference(self) -> dict[str, list[int]]:
+        streams = asyncio.run(self._drive(self.scheduler, "ref", _Progress(1 << 30), None))
+        failed = {name: s for name, s in streams.items() if s.status != "identical"}
+        if failed:
+            raise RuntimeError(f"the fault-free run failed: {failed}")
+        return {name: stream.tokens for name, stream in streams.items()}
+
+    # -- scenarios -------------------------------------------------------------------
+
+    def scenario(self, index: int, kind: str | None = None, target: str | None = None) -> Scenario:
+        """A seeded scenario: ``kind`` and ``target`` drawn when not given."""
+        kind = kind or self.rng.choice(KINDS)
+        if target is None and kind == "stall":
+            target = self.rng.choice(SERVICES)
+        elif kind.startswith("kill_"):
+            target = "memsvc" if kind == "kill_memsvc_in_retract" else kind[len("kill_") :]
+        total = sum(job.max_new for job in self.jobs)
+        return Scenario(index, kind, target, self.rng.randint(5, total // 3))
+
+    def run(self, scenario: Scenario) -> ScenarioResult:
+        """Run the workload with ``scenario``'s fault, then check the stack."""
+        started = time.monotonic()
+        restarts_before = {name: self.supervisor[name].restarts for name in SERVICES}
+        faults: Counter = Counter()
+        via_proxy = scenario.kind == "wire"
+        address = self.proxies["client"].front if via_proxy else self.scheduler
+        progress = _Progress(scenario.trigger_tokens)
+        outcomes = asyncio.run(
+            self._drive(address, f"s{scenario.index}", progress, (scenario, faults))
+        )
+        result = ScenarioResult(scenario, [], faults)
+        for name, outcome in outcomes.items():
+            result.outcomes.append(self._judge(name, outcome))
+        self._settle(result)
+        restarts = {n: self.supervisor[n].restarts - restarts_before[n] for n in SERVICES}
+        if scenario.kind.startswith("kill_") and faults and restarts[scenario.target] < 1:
+            result.problems.append(f"{scenario.target} was killed but not restarted: {restarts}")
+        result.seconds = time.monotonic() - started
+        return result
+
+    async def _drive(
+        self,
+        address: str,
+        prefix: str,
+        progress: _Progress,
+        fault: tuple[Scenario, Counter] | None,
+    ) -> dict[str, _Stream]:
+        async with AsyncGenerateClient(
+            address, timeout_s=CLIENT_TIMEOUT_S, resubmits=CLIENT_RESUBMITS
+        ) as client:
+            tasks = {
+                job.name: asyncio.create_task(
+                    self._one(client, job, f"{prefix}-{job.name}", progress)
+                )
+                for job in self.jobs
+            }
+            injector = None
+            if fault is not None:
+                injector = asyncio.create_task(self._inject(*fault, progress))
+            done, _ = await asyncio.wait(tasks.values(), timeout=SCENARIO_DEADLINE_S)
+            if injector is not None:
+                injector.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await injector
+            streams = {}
+            for name, task in tasks.items():
+                if task in done:
+                    streams[name] = task.result()
+                else:
+                    task.cancel()
+                    streams[name] = _Stream("lost", [], "no result by the harness deadline")
+            return streams
+
+    async def _one(
+        self, client: AsyncGenerateClient, job: Job, rid: str, progress: _Progress
+    ) -> _Stream:
+        got: list[int] = []
+        sampling = {"max_new_tokens": job.max_new}
+        try:
+            async for item in client.stream(job.prompt, rid=rid, sampling=sampling):
+                if isinstance(item, Chunk):
+                    if item.offset != len(got):
+                        return _Stream("mismatch", got, f"chunk at {item.offset} after {len(got)}")
+                    got += item.token_ids
+                    progress.add(len(item.token_ids))
+                    continue
+                reason = item.finish_reason or {}
+                if reason.get("type") == "abort":
+                    return _Stream("error", item.output_ids, f"aborted: {reason.get('message')}")
+                if item.output_ids[: len(got)] != got:  # the last tokens come with the result
+                    return _Stream("mismatch", got, f"stream {got} !< result {item.output_ids}")
+                retractions = item.meta_info.get("num_retractions", 0)
+                return _Stream("identical", item.output_ids, json.dumps(reason), retractions)
+        except GenerateError as exc:
+            return _Stream("error", got, f"{exc.code}: {exc}")
+        return _Stream("lost", got, "stream ended without a result")
+
+    def _judge(self, name: str, stream: _Stream) -> Outcome:
+        if stream.status != "identical":
+            if stream.status == "error" and not stream.detail.strip():
+                return Outcome(name, "mismatch", "an error that names no fault")
+            return Outcome(name, stream.status, stream.detail)
+        want = self.reference[name]
+        if stream.tokens != want:
+            return Outcome(name, "mismatch", f"got {stream.tokens}, reference {want}")
+        return Outcome(name, "identical", retractions=stream.retractions)
+
+    # -- faults ------------------------------------------------------------------------
+
+    async def _inject(self, scenario: Scenario, faults: Counter, progress: _Progress) -> None:
+        if scenario.kind == "kill_memsvc_in_retract":
+            await self._kill_in_retract(faults)
+            return
+        await progress.reached.wait()
+        if scenario.kind.startswith("kill_"):
+            self._signal(scenario.target, signal.SIGKILL)
+            faults[f"sigkill_{scenario.target}"] += 1
+        elif scenario.kind == "stall":
+            await self._stall(scenario.target, faults)
+        elif scenario.kind == "wire":
+            await self._wire(faults)
+
+    async def _kill_in_retract(self, faults: Counter) -> None:
+        kills = self.retract_kills
+        self._retract_trap.set()
+        try:
+            while self.retract_kills == kills:
+                await asyncio.sleep(0.02)
+        finally:
+            self._retract_trap.clear()
+        faults["sigkill_memsvc_in_retract"] += 1
+
+    def _watch_memsvc(self, header: dict[str, Any]) -> None:
+        """In the memsvc proxy's thread: the trap fires on the next ``retract`` op."""
+        if header.get("op") == "retract" and self._retract_trap.is_set():
+            self._retract_trap.clear()
+            self._signal("memsvc", signal.SIGKILL)
+            self.retract_kills += 1
+
+    async def _stall(self, target: str, faults: Counter) -> None:
+        pid = self.supervisor.pid(target)
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        faults[f"stall_{target}"] += 1
+        try:
+            await asyncio.sleep(STALL_S[target])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def _wire(self, faults: Counter) -> None:
+        before = {name: Counter(p.counts) for name, p in self.proxies.items()}
+        for proxy in self.proxies.values():
+            proxy.plan = WIRE_PLAN
+        try:
+            await asyncio.sleep(WIRE_WINDOW_S)
+        finally:
+            for proxy in self.proxies.values():
+                proxy.plan = None
+        for name, proxy in self.proxies.items():
+            for kind, count in (proxy.counts - before[name]).items():
+                faults[f"wire_{kind}"] += count
+
+    def _signal(self, name: str, sig: int) -> None:
+        pid = self.supervisor.pid(name)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    # -- checks ------------------------------------------------------------------------
+
+    def _settle(self, result: ScenarioResult) -> None:
+        """The stack is healthy and idle again, nothing leaked, nothing left over."""
+        if not self.supervisor.wait_healthy(SETTLE_TIMEOUT_S):
+            result.problems.append(f"stack not healthy again: {self.supervisor.state()}")
+            return
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while True:
+            problem, stats = self._idle_problem()
+            if problem is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if problem is not None:
+            result.problems.append(problem)
+            result.pages_leaked = -(-int(stats.get("held", 0)) // PAGE_SIZE)
+            result.host_bytes_left = int(stats.get("host_store_used_bytes", 0))
+        result.problems += self._leftovers()
+
+    def _idle_problem(self) -> tuple[str | None, dict[str, Any]]:
+        try:
+            with GenerateClient(self.scheduler, timeout_s=10, resubmits=0) as client:
+                info = client.info()
+            if info["num_running"] or info["num_waiting"]:
+                return f"scheduler not idle: {info}", {}
+            with MemClient(self.supervisor.address("memsvc"), timeout_s=5) as mem:
+                stats = mem.stats()
+                try:
+                    mem.check(idle=True)
+                except Exception as exc:  # the invariant's own message says what is wrong
+                    return f"memsvc idle check failed: {exc}; stats {stats}", stats
+                if stats["host_store_used_bytes"] or stats["held"]:
+                    return f"memsvc holds KV when idle: {stats}", stats
+            return None, stats
+        except Exception as exc:  # a service that does not answer the check
+            return f"idle check failed: {type(exc).__name__}: {exc}", {}
+
+    def _leftovers(self) -> list[str]:
+        live = self.supervisor.live_pids()
+        dead = self.supervisor.all_pids() - live
+        problems = []
+        orphans = sorted(pid for pid in dead if _alive(pid))
+        if orphans:
+            problems.append(f"orphan processes: {orphans}")
+        segments = [n for n in list_segments() if segment_owner_pid(n) in dead]
+        if segments:
+            problems.append(f"segments of dead processes: {segments}")
+        return problems
+
+
+@dataclass
+class _Stream:
+    status: str
+    tokens: list[int]
+    detail: str = ""
+    retractions: int = 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def temp_workdir() -> Path:
+    """A short path: ipc:// socket paths must stay under ~100 bytes."""
+    return Path(tempfile.mkdtemp(prefix="kvf-", dir="/tmp"))

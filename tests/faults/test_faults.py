@@ -1,0 +1,74 @@
+"""Fault injection against a supervised normal-mode stack: one scenario per fault kind.
+
+One stack serves every scenario (a fault must not break the next one
+either); each scenario runs the pressure workload (retracts included) and
+injects its fault at a seeded point, then the harness checks tokens against
+the fault-free reference, the idle invariant, leaks and leftovers. The
+longer, random mix is ``python -m tests.faults.soak``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.harness import FaultHarness, ScenarioResult, temp_workdir
+
+SEED = 7
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[FaultHarness]:
+    workdir = temp_workdir()
+    try:
+        with FaultHarness(workdir, SEED) as running:
+            yield running
+        assert not running.leftovers, running.leftovers
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def check(result: ScenarioResult, fault: str | None) -> None:
+    """The fault happened, and every request came out right or with a named error."""
+    summary = [(o.job, o.status, o.detail[:300]) for o in result.outcomes if o.detail]
+    if fault is not None:
+        assert result.faults[fault] >= 1, f"the fault was not injected: {dict(result.faults)}"
+    assert result.count("lost") == 0, summary
+    assert result.count("mismatch") == 0, summary
+    assert result.count("identical") + result.count("error") == len(result.outcomes)
+    assert result.count("identical") > 0, summary
+    assert not result.problems, result.problems
+    assert result.pages_leaked == 0 and result.host_bytes_left == 0
+    assert result.retractions > 0, "the workload should retract"
+
+
+def test_model_svc_killed_mid_workload(harness: FaultHarness) -> None:
+    result = harness.run(harness.scenario(1, "kill_model_svc"))
+    check(result, "sigkill_model_svc")
+
+
+def test_memsvc_killed_during_a_retract(harness: FaultHarness) -> None:
+    """The new memsvc has a new epoch and an empty pool: every KV holder is re-prefilled."""
+    result = harness.run(harness.scenario(2, "kill_memsvc_in_retract"))
+    check(result, "sigkill_memsvc_in_retract")
+
+
+def test_scheduler_killed_mid_workload(harness: FaultHarness) -> None:
+    """Clients re-submit under the same rids; streams deliver no token twice."""
+    result = harness.run(harness.scenario(3, "kill_scheduler_svc"))
+    check(result, "sigkill_scheduler_svc")
+
+
+def test_memsvc_stalled_past_the_timeouts(harness: FaultHarness) -> None:
+    result = harness.run(harness.scenario(4, "stall", "memsvc"))
+    check(result, "stall_memsvc")
+
+
+def test_damaged_messages_on_every_link(harness: FaultHarness) -> None:
+    result = harness.run(harness.scenario(5, "wire"))
+    assert sum(result.faults.values()) >= 3, f"too few faults injected: {dict(result.faults)}"
+    check(result, None)

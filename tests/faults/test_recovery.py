@@ -1,0 +1,190 @@
+"""scheduler_svc.recovery on a real engine and memsvc core (in process), deterministically.
+
+The engine runs against :class:`InProcessMem` and the fake model of the
+engine tests (tokens depend only on position and previous token), so a
+request re-prefilled after a fault must still produce exactly
+``expected_output``; what is checked is the repair of the engine's queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from memsvc.client import EpochChangedError
+from memsvc.core import KVPool
+from memsvc.handlers import MemService, ServiceConfig
+from memsvc.ops import _Call, _nothing
+from memsvc.sessions import NotOwnerError
+from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.recovery import Recovery, RecoveryFailedError
+from tests.helpers import small_layout
+from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
+
+PAGE = 4
+
+
+def new_service() -> MemService:
+    layout = small_layout(
+        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
+    )
+    return MemService(KVPool(layout), ServiceConfig(retract_decode_steps=20))
+
+
+@pytest.fixture
+def services() -> Iterator[list[MemService]]:
+    made: list[MemService] = []
+    yield made
+    for service in made:
+        service.pool.close()
+
+
+class Rig:
+    """An engine whose failed steps go through :class:`Recovery`, as in the service loop."""
+
+    def __init__(self, service: MemService, **recovery_kwargs) -> None:
+        self.service = service
+        self.done: dict[str, Req] = {}
+        self.recovery_kwargs = recovery_kwargs
+        self.failures: list[BaseException] = []
+
+    async def start(self) -> Rig:
+        mem = await InProcessMem.connect(self.service)
+        self.model = FakeModel(self.service.pool.table.array)
+        config = SchedulerConfig(page_size=PAGE, max_running_requests=16)
+        self.engine = Engine(config, mem, self.model, self._emit, capacity=512)
+        self.recovery = Recovery(
+            self.engine,
+            lambda: InProcessMem.connect(self.service),
+            "inproc://memsvc",
+            **self.recovery_kwargs,
+        )
+        return self
+
+    def _emit(self, req: Req, finished: bool) -> None:
+        if finished:
+            self.done[req.rid] = req
+
+    def submit(self, rid: str, prompt: list[int], max_new: int = 10) -> None:
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+        self.engine.submit(Req(rid, prompt, params))
+
+    async def step(self) -> bool:
+        try:
+            did = await self.engine.step()
+            self.recovery.step_succeeded()
+            return did
+        except Exception as exc:
+            self.failures.append(exc)
+            await self.recovery.recover(exc)
+            return True
+
+    async def run(self, max_steps: int = 3000) -> None:
+        for _ in range(max_steps):
+            if not await self.step() and self.engine.idle:
+                return
+        raise AssertionError("the engine did not go idle")
+
+
+PROMPTS = {f"r{i}": [i + 1] * (5 + 3 * i) for i in range(5)}
+
+
+def assert_right_tokens(rig: Rig) -> None:
+    assert set(rig.done) == set(PROMPTS)
+    for rid, prompt in PROMPTS.items():
+        req = rig.done[rid]
+        assert req.state is ReqState.FINISHED, (rid, req.finish_reason)
+        assert req.output_ids == expected_output(prompt, 10), rid
+
+
+def test_memsvc_restart_requeues_every_kv_holder(services) -> None:
+    """memsvc comes back empty with a new epoch: running and prefilling requests re-prefill."""
+
+    async def scenario() -> None:
+        first = new_service()
+        services.append(first)
+        rig = await Rig(first).start()
+        for rid, prompt in PROMPTS.items():
+            rig.submit(rid, prompt)
+        for _ in range(4):  # prefill and a few decode steps
+            await rig.step()
+        holders = [r.rid for r in rig.engine.reqs.values() if r.row is not None]
+        assert holders, "some requests should hold KV by now"
+        # memsvc "restarts": a new pool and epoch behind the same address
+        second = new_service()
+        services.append(second)
+        rig.engine.mem._service = second
+        rig.service = second
+        rig.model.table = second.pool.table.array
+        await rig.run()
+        assert isinstance(rig.failures[0], EpochChangedError)
+        assert rig.recovery.stats.memsvc_resets == 1
+        assert rig.recovery.stats.requeued_reqs == len(holders)
+        assert_right_tokens(rig)
+        for rid in holders:
+            assert rig.done[rid].retraction_count >= 1
+        second.pool.check_integrity(idle=False)
+        await rig.engine.mem._invoke(_Call("goodbye", {}, None, _nothing))
+        second.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+def test_rid_held_by_a_dead_session_waits_then_proceeds(services) -> None:
+    """A predecessor's session still owns a rid: the half-built batch is undone, then retried."""
+
+    async def scenario() -> None:
+        service = new_service()
+        services.append(service)
+        rig = await Rig(service).start()
+        ghost = await InProcessMem.connect(service, name="ghost")
+        await ghost.alloc_row("r2")
+        for rid, prompt in PROMPTS.items():
+            rig.submit(rid, prompt)
+        await rig.step()
+        assert isinstance(rig.failures[-1], NotOwnerError)
+        assert rig.recovery.stats.rolled_back_reqs == 2  # r0 and r1 were in the batch
+        assert [r.rid for r in rig.engine.waiting][:3] == ["r0", "r1", "r2"]
+        assert all(r.row is None for r in rig.engine.waiting)
+        service.pool.check_integrity()
+        await ghost._invoke(_Call("goodbye", {}, None, _nothing))  # the lease ran out
+        await rig.run()
+        assert_right_tokens(rig)
+        await rig.engine.mem._invoke(_Call("goodbye", {}, None, _nothing))
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+def test_rid_held_too_long_ends_with_an_explicit_error(services) -> None:
+    async def scenario() -> None:
+        service = new_service()
+        services.append(service)
+        rig = await Rig(service, recovery_timeout_s=0.0).start()
+        ghost = await InProcessMem.connect(service, name="ghost")
+        await ghost.alloc_row("r0")
+        rig.submit("r0", PROMPTS["r0"])
+        await rig.step()  # seen first
+        await asyncio.sleep(0.01)
+        await rig.step()  # still held past the timeout: aborted
+        req = rig.done["r0"]
+        assert req.state is ReqState.ABORTED
+        assert req.finish_reason.status_code == 409
+        assert "held by another memsvc session" in req.finish_reason.message
+        assert rig.engine.idle
+
+    asyncio.run(scenario())
+
+
+def test_a_fault_it_cannot_repair_is_reported(services) -> None:
+    async def scenario() -> None:
+        service = new_service()
+        services.append(service)
+        rig = await Rig(service).start()
+        with pytest.raises(RecoveryFailedError, match="ValueError: boom"):
+            await rig.recovery.recover(ValueError("boom"))
+
+    asyncio.run(scenario())

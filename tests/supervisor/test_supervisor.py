@@ -1,0 +1,270 @@
+"""``kvstack up`` / ``kvstack status`` as a user runs them, and the Supervisor's restart policy.
+
+The stack test runs ``kvstack up`` as a subprocess and always reaps it and
+every process it started (by the pids in its state file), whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from scheduler_svc.client import GenerateClient
+from scheduler_svc.supervisor import (
+    STATE_FILE,
+    ProcessSpec,
+    RestartPolicy,
+    StackOptions,
+    StackUnavailableError,
+    Supervisor,
+    build_process_list,
+)
+from tests.procs import REPO
+
+pytestmark = pytest.mark.timeout(600)
+
+POOL = ["--page-size", "4", "--num-pages", "64", "--max-context-len", "512"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def kvstack(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler_svc.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=ENV,
+        check=False,
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def read_state(run_dir: Path) -> dict:
+    return json.loads((run_dir / STATE_FILE).read_text())
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            value = predicate()
+            if value:
+                return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A short path (ipc:// socket paths are limited to ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kvsup-", dir="/tmp"))
+    yield path
+    with contextlib.suppress(OSError):
+        for child in path.iterdir():
+            child.unlink()
+        path.rmdir()
+
+
+class UpProcess:
+    """``kvstack up`` in the background; :meth:`reap` kills what is left, whatever happened."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.log = run_dir / "up.out"
+        self.pids: set[int] = set()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "scheduler_svc.cli", "up", "--run-dir", str(run_dir), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=ENV,
+            )
+
+    def state(self) -> dict:
+        state = read_state(self.run_dir)
+        self.pids |= {p["pid"] for p in state["processes"] if p["pid"]}
+        return state
+
+    def pid(self, name: str) -> int:
+        return next(p["pid"] for p in self.state()["processes"] if p["name"] == name)
+
+    def healthy(self) -> dict | None:
+        state = self.state()
+        procs = state["processes"]
+        if state["status"] == "running" and all(p["healthy"] and p["alive"] for p in procs):
+            return state
+        return None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def reap(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError, ValueError):
+            self.state()
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        for name in list_segments():
+            if segment_owner_pid(name) in self.pids:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+
+
+@pytest.fixture
+def up(run_dir: Path) -> Iterator[UpProcess]:
+    started: list[UpProcess] = []
+
+    def start(*args: str) -> UpProcess:
+        started.append(UpProcess(run_dir, *args))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.reap()
+
+
+def generate(address: str) -> list[int]:
+    with GenerateClient(address, timeout_s=60) as client:
+        result = client.generate(
+            list(range(3, 40)), sampling={"max_new_tokens": 24, "ignore_eos": True}
+        )
+    assert len(result.output_ids) == 24, result
+    return result.output_ids
+
+
+def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
+    stack = up("--mode", "normal", *POOL, "--backoff-initial", "0.2", "--health-interval", "1")
+    state = wait_for(stack.healthy, 240, f"a healthy stack:\n{stack.output()}")
+    names = [p["name"] for p in state["processes"]]
+    assert names == ["memsvc", "model_svc", "scheduler_svc"]
+    scheduler = state["processes"][2]["address"]
+    assert scheduler == f"ipc://{run_dir}/scheduler_svc.sock"
+
+    status = kvstack("status", "--run-dir", str(run_dir))
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert status.stdout.strip().endswith("healthy")
+    for name in names:
+        assert name in status.stdout
+    want = generate(scheduler)
+
+    # model_svc dies: it is restarted, and the same request gives the same tokens
+    old_model = stack.pid("model_svc")
+    os.kill(old_model, signal.SIGKILL)
+    wait_for(
+        lambda: (s := stack.healthy()) and s["processes"][1]["restarts"] == 1,
+        180,
+        f"model_svc restarted:\n{stack.output()}",
+    )
+    assert stack.pid("model_svc") != old_model
+    assert "model_svc exited with code -9; restarting in 0.2s (restart #1)" in stack.output()
+    assert generate(scheduler) == want
+    by_json = json.loads(kvstack("status", "--run-dir", str(run_dir), "--json").stdout)
+    assert [p["restarts"] for p in by_json["processes"]] == [0, 1, 0]
+
+    # a stalled process makes status fail (and name it)
+    stalled = stack.pid("scheduler_svc")
+    os.kill(stalled, signal.SIGSTOP)
+    try:
+        status = kvstack("status", "--run-dir", str(run_dir), "--timeout", "1")
+    finally:
+        os.kill(stalled, signal.SIGCONT)
+    assert status.returncode == 1, status.stdout
+    assert "UNHEALTHY" in status.stdout
+    bad = [line for line in status.stdout.splitlines() if " BAD " in line]
+    assert len(bad) == 1 and bad[0].startswith("scheduler_svc"), status.stdout
+
+    # SIGTERM: everything stops, last first, and nothing is left behind
+    pids = set(stack.pids) | {old_model}
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(120) == 0, stack.output()
+    assert not [pid for pid in pids if alive(pid)]
+    assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
+    assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
+    assert read_state(run_dir)["status"] == "stopped"
+    assert kvstack("status", "--run-dir", str(run_dir)).returncode == 1  # nothing runs
+
+
+def test_pd_mode_fails_clearly(up, run_dir: Path) -> None:
+    stack = up("--mode", "pd")
+    assert stack.proc.wait(120) == 2
+    assert "PD stack not available yet" in stack.output()
+    assert not (run_dir / STATE_FILE).exists()  # nothing was started
+    with pytest.raises(StackUnavailableError, match="PD stack not available yet"):
+        build_process_list("pd", run_dir, StackOptions())
+
+
+def test_status_without_a_stack(run_dir: Path) -> None:
+    status = kvstack("status", "--run-dir", str(run_dir))
+    assert status.returncode == 2
+    assert "no supervised stack" in status.stderr
+
+
+def flaky_spec(run_dir: Path, name: str = "flaky") -> ProcessSpec:
+    """A process that says it is ready, lives 0.3 s, and exits with code 3."""
+    ready = run_dir / f"{name}.ready"
+    code = (
+        "import json, os, sys, time; "
+        f"open({str(ready)!r}, 'w').write(json.dumps({{'pid': os.getpid()}})); "
+        "time.sleep(0.3); sys.exit(3)"
+    )
+    return ProcessSpec(
+        name,
+        "none",  # no health check
+        (sys.executable, "-c", code),
+        f"ipc://{run_dir}/{name}.sock",
+        ready,
+        run_dir / f"{name}.log",
+    )
+
+
+def test_restarts_back_off_exponentially_up_to_the_cap(run_dir: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstack.supervisor")
+    policy = RestartPolicy(initial_s=0.1, max_s=0.4, stable_s=60, ready_timeout_s=30)
+    supervisor = Supervisor([flaky_spec(run_dir)], run_dir, policy=policy, stop_timeout_s=5)
+
+    def restarted_five_times() -> bool:
+        supervisor.poll()
+        return supervisor["flaky"].restarts >= 5
+
+    try:
+        supervisor.start()
+        wait_for(restarted_five_times, 60, "five restarts", interval=0.02)
+        pids = supervisor.all_pids()
+    finally:
+        supervisor.stop()
+    lines = [r.getMessage() for r in caplog.records if "exited with code" in r.getMessage()]
+    assert lines[:5] == [
+        "flaky exited with code 3; restarting in 0.1s (restart #1)",
+        "flaky exited with code 3; restarting in 0.2s (restart #2)",
+        "flaky exited with code 3; restarting in 0.4s (restart #3)",
+        "flaky exited with code 3; restarting in 0.4s (restart #4)",
+        "flaky exited with code 3; restarting in 0.4s (restart #5)",
+    ]
+    assert len(pids) >= 5 and not [pid for pid in pids if alive(pid)]
+    state = read_state(run_dir)
+    assert state["status"] == "stopped" and state["processes"][0]["last_exit_code"] in (3, -15)
