@@ -7,8 +7,9 @@ means and repairs the engine's queues (``running``, ``waiting``,
 ``chunked``, ``reqs``) so that the next step starts from a consistent state:
 
 - **memsvc lost our KV** (it restarted with a new epoch and an empty pool, it
-  stopped answering, it expired our session after a stall, or it rejected a
-  message damaged in transit): open a new session (with backoff, bounded by
+  stopped answering, it expired our session after a stall, which model_svc
+  may report first by refusing rows without KV, or it rejected a message
+  damaged in transit): open a new session (with backoff, bounded by
   ``recovery_timeout_s``), end the old one so memsvc reclaims whatever it
   still held, and treat every request that held KV (running, the chunked
   one, one in a half-built prefill batch) as retracted: ``reset_for_retract``
@@ -89,7 +90,8 @@ def requeue_kv_holders(engine: Any) -> list[Req]:
     """Every request that held KV becomes retracted and goes to the front of ``waiting``.
 
     Requests that finished (or were aborted) in the failed step before their
-    release reached memsvc are reported now: their output is complete.
+    release reached memsvc are reported now: their output is complete. A
+    retracted request whose KV waited in the host store is re-prefilled.
     """
     requeued = []
     for req in list(engine.reqs.values()):
@@ -98,6 +100,10 @@ def requeue_kv_holders(engine: Any) -> list[Req]:
         elif req.state in HOLDS_KV:
             req.reset_for_retract()
             requeued.append(req)
+        elif getattr(req, "host_copy", False):
+            # Offloaded by a retract: its host-store copy went with the old session
+            # (or the old memsvc), so it is re-prefilled instead of loaded back.
+            req.host_copy = False
     engine.running.clear()
     engine.chunked = None
     _put_in_front(engine, requeued)
@@ -220,6 +226,7 @@ class Recovery:
 
         Raises :class:`RecoveryFailedError` when the fault cannot be repaired.
         """
+        exc = await self._explain(exc)
         if isinstance(exc, NotOwnerError):
             try:
                 return await self._not_owner(exc)
@@ -243,6 +250,22 @@ class Recovery:
             [r.rid for r in requeued],
         )
         return 0.0
+
+    async def _explain(self, exc: BaseException) -> BaseException:
+        """The memsvc fault behind a forward refused for missing KV, if there is one.
+
+        model_svc refuses a batch whose rows have no KV slots: after a stall
+        longer than our lease, memsvc expired the session and cleared its rows
+        before our next memsvc op could say so. A heartbeat tells.
+        """
+        if not (isinstance(exc, ForwardError) and exc.code == "invalid_batch"):
+            return exc
+        try:
+            await self.engine.mem.heartbeat()
+        except MemsvcError as cause:
+            log.warning("model_svc refused the batch (%s): memsvc says %s", exc, cause)
+            return cause
+        return exc
 
     async def _not_owner(self, exc: NotOwnerError) -> float:
         head = self.engine.waiting[0] if self.engine.waiting else None

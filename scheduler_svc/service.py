@@ -180,9 +180,7 @@ class SchedulerService:
             if not did:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self._wake.wait(), self.engine.idle_wait_s(IDLE_WAIT_S)
-                    )
+                    await asyncio.wait_for(self._wake.wait(), self.engine.idle_wait_s(IDLE_WAIT_S))
 
     async def _recover(self, exc: BaseException) -> bool:
         """Repair the engine after a failed step; True if there is work to go on with."""

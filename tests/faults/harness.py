@@ -86,8 +86,8 @@ SETTLE_TIMEOUT_S = 60.0
 # (memsvc: 3 tries of the op timeout, and the lease; model_svc: 2 forward
 # timeouts; scheduler: the client's silence timeout).
 STALL_S = {"memsvc": 6.0, "model_svc": 11.0, "scheduler_svc": CLIENT_TIMEOUT_S + 2}
-WIRE_PLAN = FaultPlan(drop=0.01, duplicate=0.03, delay=0.04, garble=0.01, truncate=0.01)
-WIRE_WINDOW_S = 4.0
+WIRE_PLAN = FaultPlan(drop=0.02, duplicate=0.04, delay=0.05, garble=0.02, truncate=0.02)
+WIRE_FAULTS = 24  # damage this many messages (across the links), then stop
 
 KINDS = (
     "kill_model_svc",
@@ -318,7 +318,9 @@ class FaultHarness:
         elif kind.startswith("kill_"):
             target = "memsvc" if kind == "kill_memsvc_in_retract" else kind[len("kill_") :]
         total = sum(job.max_new for job in self.jobs)
-        return Scenario(index, kind, target, self.rng.randint(5, total // 3))
+        # wire faults start early: they need traffic left to damage
+        latest = 40 if kind == "wire" else total // 3
+        return Scenario(index, kind, target, self.rng.randint(5, latest))
 
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Run the workload with ``scenario``'s fault, then check the stack."""
@@ -453,11 +455,17 @@ class FaultHarness:
                 os.kill(pid, signal.SIGCONT)
 
     async def _wire(self, faults: Counter) -> None:
-        before = {name: Counter(p.counts) for name, p in self.proxies.items()}
+        """Damage messages on every link until ``WIRE_FAULTS`` were (or the workload ends)."""
+        before = {name: p.counts for name, p in self.proxies.items()}
+
+        def injected() -> int:
+            return sum((p.counts - before[n]).total() for n, p in self.proxies.items())
+
         for proxy in self.proxies.values():
             proxy.plan = WIRE_PLAN
         try:
-            await asyncio.sleep(WIRE_WINDOW_S)
+            while injected() < WIRE_FAULTS:
+                await asyncio.sleep(0.05)
         finally:
             for proxy in self.proxies.values():
                 proxy.plan = None

@@ -83,7 +83,8 @@ class FaultProxy:
         self.front, self.back, self.name = front, back, name
         self.plan: FaultPlan | None = None
         self.on_request = on_request
-        self.counts: Counter[str] = Counter()  # faults injected, by kind
+        self._counts: Counter[str] = Counter()  # faults injected, by kind
+        self._counts_lock = threading.Lock()
         self.forwarded = 0
         self._rng = random.Random(seed)
         self._ctx = zmq.Context()
@@ -91,6 +92,12 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._bound = threading.Event()
         self._error: BaseException | None = None
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Faults injected so far, by kind (a copy: the proxy thread keeps counting)."""
+        with self._counts_lock:
+            return Counter(self._counts)
 
     # -- life ------------------------------------------------------------------
 
@@ -193,7 +200,8 @@ class FaultProxy:
         plan = self.plan
         kind = plan.pick(self._rng) if plan and direction in plan.directions else None
         if kind is not None:
-            self.counts[kind] += 1
+            with self._counts_lock:
+                self._counts[kind] += 1
         if kind == "drop":
             return
         if kind == "garble":

@@ -68,7 +68,14 @@ def test_memsvc_stalled_past_the_timeouts(harness: FaultHarness) -> None:
     check(result, "stall_memsvc")
 
 
+def test_scheduler_stalled_past_its_lease(harness: FaultHarness) -> None:
+    """Clients re-submit into the stalled scheduler (attached once it resumes); memsvc
+    expired its session meanwhile, so every request that held KV is re-prefilled."""
+    result = harness.run(harness.scenario(6, "stall", "scheduler_svc"))
+    check(result, "stall_scheduler_svc")
+
+
 def test_damaged_messages_on_every_link(harness: FaultHarness) -> None:
     result = harness.run(harness.scenario(5, "wire"))
-    assert sum(result.faults.values()) >= 3, f"too few faults injected: {dict(result.faults)}"
+    assert sum(result.faults.values()) >= 10, f"too few faults injected: {dict(result.faults)}"
     check(result, None)

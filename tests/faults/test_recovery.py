@@ -18,6 +18,7 @@ from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.ops import _Call, _nothing
 from memsvc.sessions import NotOwnerError
+from model_svc.client import ForwardError
 from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
@@ -179,6 +180,27 @@ def test_rid_held_too_long_ends_with_an_explicit_error(services) -> None:
     asyncio.run(scenario())
 
 
+def test_refused_batch_after_the_session_expired_is_a_lost_session(services) -> None:
+    """A stalled scheduler's session expired: model_svc refuses rows without KV first."""
+
+    async def scenario() -> None:
+        service = new_service()
+        services.append(service)
+        rig = await Rig(service).start()
+        for rid, prompt in PROMPTS.items():
+            rig.submit(rid, prompt)
+        for _ in range(3):
+            await rig.step()
+        await rig.engine.mem._invoke(_Call("goodbye", {}, None, _nothing))  # "expired"
+        await rig.recovery.recover(ForwardError("invalid_batch", "positions without a KV slot"))
+        assert rig.recovery.stats.memsvc_resets == 1
+        assert rig.recovery.stats.requeued_reqs > 0
+        await rig.run()
+        assert_right_tokens(rig)
+
+    asyncio.run(scenario())
+
+
 def test_a_fault_it_cannot_repair_is_reported(services) -> None:
     async def scenario() -> None:
         service = new_service()
@@ -186,5 +208,8 @@ def test_a_fault_it_cannot_repair_is_reported(services) -> None:
         rig = await Rig(service).start()
         with pytest.raises(RecoveryFailedError, match="ValueError: boom"):
             await rig.recovery.recover(ValueError("boom"))
+        # a refused batch while memsvc still knows our session is a real error
+        with pytest.raises(RecoveryFailedError, match="invalid_batch"):
+            await rig.recovery.recover(ForwardError("invalid_batch", "invalid_batch: bad rows"))
 
     asyncio.run(scenario())
