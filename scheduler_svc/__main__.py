@@ -79,6 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
         "of the two by a cost model learned online. A decode node always offloads",
     )
     parser.add_argument(
+        "--retract-cooldown-steps",
+        type=int,
+        default=0,
+        help="thrash guard: a request re-admitted after a retract is not a victim again "
+        "for this many forward passes unless nothing else can be (0: off, as in SGLang)",
+    )
+    parser.add_argument(
+        "--readmit-charge",
+        choices=["remaining", "full"],
+        default="remaining",
+        help="what re-admitting a retracted request reserves for its output: what it has "
+        "left to generate, or its whole max_new_tokens again (SGLang; can starve it)",
+    )
+    parser.add_argument(
         "--num-reserved-decode-tokens",
         type=int,
         default=512,
@@ -197,6 +211,8 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             schedule_low_priority_values_first=args.schedule_low_priority_values_first,
             retract_mode="offload" if args.mode == "decode" else args.retract_mode,
             num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+            retract_cooldown_steps=args.retract_cooldown_steps,
+            readmit_charge=args.readmit_charge,
             pd_retract_fallback=args.pd_retract_fallback,
         )
         model_config = ModelConfig.from_dict((await model.info())["model"])

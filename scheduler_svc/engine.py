@@ -198,6 +198,7 @@ class Engine:
                 await self.mem.free_row(req.rid)
                 break
             req.start_prefill(row, prefix_len, decision.extend_len)
+            self._mark_readmitted(req)
             self.waiting.popleft()
             batch.append(req)
             if adder.new_chunked_req is req:
@@ -235,10 +236,16 @@ class Engine:
         tokens = req.seq_len - 1
         self.cost.observe_copy(tokens * self.cost.bytes_per_token, time.perf_counter() - started)
         req.resume(row)
+        self._mark_readmitted(req)
         self.stats.loaded_reqs += 1
         self.stats.loaded_tokens += tokens
         self.running.append(req)
         return True
+
+    def _mark_readmitted(self, req: Req) -> None:
+        """A retracted request is back: the thrash guard's cooldown starts now."""
+        if req.retracted_stain:
+            req.readmit_step = self.stats.forward_passes
 
     async def _alloc(self, rid: str, num_tokens: int) -> bool:
         return (await self.mem.alloc_extend([(rid, num_tokens)])).fits
@@ -320,7 +327,7 @@ class Engine:
 
     async def _retract(self, *, kv_full: bool) -> None:
         """Retract from the running batch in victim order (memsvc stops when the step fits)."""
-        order = retraction_order(self.running, self.config)
+        order = retraction_order(self.running, self.config, self.stats.forward_passes)
         ordered = [self.running[i] for i in order]
         old_ratio = self.ratio.current
         sizes_before = self.mem.sizes

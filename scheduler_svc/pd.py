@@ -198,6 +198,7 @@ class DecodeEngine(Engine):
                 break
             self.retracted.popleft()
             req.resume(row)
+            self._mark_readmitted(req)
             self.stats.loaded_reqs += 1
             self.stats.loaded_tokens += req.kv_len
             self.running.append(req)
@@ -270,6 +271,7 @@ class DecodeEngine(Engine):
     def _commit(self, req: Req, row: int, report: dict[str, Any]) -> None:
         if req.is_retracted:  # re-bootstrapped: the KV of all but its last token came back
             req.resume(row)
+            self._mark_readmitted(req)
             self._event("resume", req)
             return
         req.commit_transfer(row, int(report["first_token"]), int(report["cached_tokens"]))

@@ -172,7 +172,10 @@ class PrefillAdder:
         # max_new_tokens (as in SGLang); a retracted one has already produced
         # len(output_ids) of them, and charging the full amount again could make
         # a long request inadmissible even into an empty pool (starved forever).
-        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+        # ``readmit_charge="full"`` is SGLang's charge, kept to show what it does.
+        remaining = req.sampling_params.max_new_tokens
+        if self.config.readmit_charge == "remaining":
+            remaining -= len(req.output_ids)
         return min(max(remaining, 0), self.config.clip_max_new_tokens)
 
     def _chunk_len(self, prefix_len: int, limit: int) -> int:

@@ -22,6 +22,9 @@ RETRACT_MODES: tuple[str, ...] = ("recompute", "offload", "auto")
 # PD decode: a victim the host store cannot take is aborted (SGLang) or re-prefilled
 # through the prefill node.
 PD_RETRACT_FALLBACKS: tuple[str, ...] = ("abort", "recompute")
+# What re-admitting a retracted request charges for its output: what it has left to
+# generate (kvstack) or its whole max_new_tokens again (SGLang, which can starve it).
+READMIT_CHARGES: tuple[str, ...] = ("remaining", "full")
 
 
 def _parse_bool(value: str) -> bool:
@@ -67,6 +70,10 @@ class SchedulerConfig:
     # PD decode node: tokens reserved per active request at preallocation (SGLang's 512).
     num_reserved_decode_tokens: int = 512
     pd_retract_fallback: str = "abort"
+    # Thrash guard: a request re-admitted after a retract is not a victim again for this
+    # many forward passes unless nothing else can be (0: off, as in SGLang).
+    retract_cooldown_steps: int = 0
+    readmit_charge: str = "remaining"
     # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
@@ -116,6 +123,14 @@ class SchedulerConfig:
             problems.append(
                 f"pd_retract_fallback must be one of {PD_RETRACT_FALLBACKS}, "
                 f"got {self.pd_retract_fallback!r}"
+            )
+        if self.readmit_charge not in READMIT_CHARGES:
+            problems.append(
+                f"readmit_charge must be one of {READMIT_CHARGES}, got {self.readmit_charge!r}"
+            )
+        if self.retract_cooldown_steps < 0:
+            problems.append(
+                f"retract_cooldown_steps must be >= 0, got {self.retract_cooldown_steps}"
             )
         if self.num_reserved_decode_tokens < 0:
             problems.append(

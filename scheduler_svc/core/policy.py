@@ -54,8 +54,14 @@ def decode_tokens_required(kv_lens: Iterable[int], page_size: int) -> int:
     return page_size * sum(1 for kv_len in kv_lens if kv_len % page_size == 0)
 
 
-def retraction_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
+def retraction_order(
+    reqs: Sequence[Req], config: SchedulerConfig, step: int | None = None
+) -> list[int]:
     """Indices of ``reqs`` from most worth keeping to least; victims are popped from the end.
+
+    With ``config.retract_cooldown_steps`` and the current forward pass
+    ``step``, requests re-admitted less than that many passes ago come first
+    (kept), whatever the policy: they are victims only if nothing else is left.
 
     - speculative decoding: batch order (a speculative batch can only be trimmed at its tail);
     - ``length``: most generated tokens kept first; among equals, the shorter prompt is kept
@@ -66,6 +72,17 @@ def retraction_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
 
     Sorting is stable, so fully tied requests keep their batch order.
     """
+    order = _policy_order(reqs, config)
+    cooldown = config.retract_cooldown_steps
+    if not cooldown or step is None or config.speculative:
+        return order
+    cooling = [
+        i for i in order if reqs[i].readmit_step >= 0 and step - reqs[i].readmit_step < cooldown
+    ]
+    return cooling + [i for i in order if i not in set(cooling)]
+
+
+def _policy_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
     indices = range(len(reqs))
     if config.speculative:
         return list(indices)

@@ -133,6 +133,8 @@ class Req:
     # Sticky accounting.
     retraction_count: int = field(default=0, init=False)
     retracted_stain: bool = field(default=False, init=False)
+    # Forward pass at which a retracted request was last re-admitted (-1: never retracted).
+    readmit_step: int = field(default=-1, init=False)
     cached_tokens: int = field(default=0, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     # Time stamps (time.monotonic()).

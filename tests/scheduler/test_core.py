@@ -402,3 +402,18 @@ def test_clamped_request_alone_always_admitted_to_an_empty_pool(page_size, input
     adder = PrefillAdder(cfg, available_tokens=capacity)
     decision = adder.add_one_req(make_req(input_len=input_len, max_new_tokens=max_new + 1), 0)
     assert decision.extend_len == 0
+
+
+def test_cooldown_keeps_recently_readmitted_requests_out_of_the_victims():
+    cfg = config(retract_cooldown_steps=10)
+    reqs = [make_req(f"r{i}", input_len=8, output_len=i) for i in range(4)]
+    # By length, r0 (fewest outputs) is the first victim (last in the order).
+    assert retraction_order(reqs, cfg)[-1] == 0
+    reqs[0].readmit_step = 95  # re-admitted 5 passes ago: cooling down
+    order = retraction_order(reqs, cfg, step=100)
+    assert order[0] == 0 and order[-1] == 1  # kept first; r1 is the victim now
+    assert retraction_order(reqs, cfg, step=105)[-1] == 0  # cooled down
+    assert retraction_order(reqs, config(), step=100)[-1] == 0  # guard off (SGLang)
+    for req in reqs:  # everyone cooling: the policy order among them
+        req.readmit_step = 99
+    assert retraction_order(reqs, cfg, step=100) == retraction_order(reqs, cfg)

@@ -254,3 +254,44 @@ def test_aborting_a_request_parked_in_the_host_store_discards_its_copy(service) 
         service.pool.check_integrity(idle=True)
 
     run(scenario())
+
+
+@pytest.mark.parametrize("charge", ["full", "remaining"])
+def test_a_retracted_request_that_fits_only_alone_is_not_starved(service, charge) -> None:
+    """SGLang charges a re-admitted request its whole max_new_tokens again on top of the
+    output it already has: once its prefix is evicted, it can never be admitted, even into
+    an empty pool, and waits forever. kvstack charges only what is left to generate."""
+
+    async def scenario() -> bool:
+        h = await Harness(
+            service,
+            readmit_charge=charge,
+            retraction_policy="priority",
+            enable_priority_scheduling=True,
+            schedule_conservativeness=0.1,
+        ).start()
+        keep = Req("keep", [1] * 8, SamplingParams(max_new_tokens=100), priority=10)
+        victim = Req("victim", [2] * 8, SamplingParams(max_new_tokens=200), priority=0)
+        h.engine.submit(keep)
+        h.engine.submit(victim)
+        while len(victim.output_ids) < 60:
+            await h.engine.step()
+        await h.engine._retract(kv_full=False)  # the low-priority one is the victim
+        assert victim.state is ReqState.RETRACTED and keep.state is ReqState.RUNNING
+        service.pool.evict(service.pool.capacity)  # pressure evicted its cached prefix
+        for _ in range(2000):
+            if not await h.engine.step() and h.engine.idle:
+                break
+        assert h.done["keep"].output_ids == expected_output([1] * 8, 100)
+        finished = "victim" in h.done
+        if finished:
+            assert h.done["victim"].output_ids == expected_output([2] * 8, 200)
+            service.pool.check_integrity(idle=True)
+        else:
+            assert victim.state is ReqState.RETRACTED and not h.engine.running
+            pool = service.pool
+            assert pool.available_size() + pool.evictable_size() == pool.capacity
+        return finished
+
+    # Full charge: 68 tokens + a page + 200 > the 256-token pool, so it starves.
+    assert run(scenario()) == (charge == "remaining")
