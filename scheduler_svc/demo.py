@@ -1,89 +1,380 @@
-"""``python -m scheduler_svc.demo``: the normal-mode stack under KV-memory pressure.
+"""``kvstack demo`` (``python -m scheduler_svc.demo``): normal and PD stacks under KV pressure.
 
-Starts memsvc, model_svc (the bundled tiny model) and scheduler_svc twice, on
-the embedded defaults (shared-memory pool, CPU): once with a pool so small
-that the seeded workload (one request whose prompt nearly fills the pool, as
-in the article, plus shorter ones) forces retracts, once with a pool large
-enough that nothing is retracted. Prints what each run did and checks that
-every output is token-identical (greedy); exits non-zero if not. Leaves no
-process or shared-memory segment behind.
+Starts, on the embedded defaults (shared-memory pool, CPU, the bundled tiny
+model), a normal-mode stack (memsvc, model_svc, scheduler_svc) and then a PD
+stack (prefill node, decode node, router), each with a 256-token pool on the
+node that decodes, and drives the same seeded workload through both: one
+request whose prompt nearly fills the pool, as in the article, plus shorter
+ones, all at once, so that decoding runs out of memory and requests are
+retracted (normal mode frees and re-prefills them; PD mode offloads them to
+memsvc's host store and loads them back). A third run on a pool big enough
+that nothing is retracted is the reference. While each run goes, a sampler
+thread polls memsvc and the scheduler (or router) for token usage, evictable
+tokens, ``new_token_ratio``, queue lengths and retract events.
+
+Prints a table per mode and a line saying whether every output is
+token-identical to the reference (exit 1 if not, or if a page or a
+shared-memory segment leaked), and writes PNG plots to ``--plots-dir``.
+Leaves no process or shared-memory segment behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
 from memsvc.client import MemClient
-from scheduler_svc.client import AsyncGenerateClient
+from scheduler_svc.client import AsyncGenerateClient, GenerateClient
 from scheduler_svc.launch import Launcher
 
 PAGE_SIZE = 4
-SMALL_PAGES = 64  # 256 tokens
-BIG_PAGES = 2048
+SMALL_PAGES = 64  # 256 tokens: the pool under pressure (the decode node's, in PD mode)
+PREFILL_PAGES = 256  # the PD prefill node's pool: it only holds prompts until sent
+BIG_PAGES = 2048  # the reference: nothing is retracted
+POOL = ["--page-size", str(PAGE_SIZE), "--max-running-requests", "32", "--max-context-len", "1024"]
+PRESSURE = ["--schedule-conservativeness", "0.3"]
+PD_SCHEDULER = ["--num-reserved-decode-tokens", "8"]
+CALIBRATION_LEN = 192  # prompt tokens of the request that measures prefill speed
+
+Request = tuple[str, list[int], int]  # rid, prompt ids, max_new_tokens
 
 
-def workload(seed: int, count: int, capacity: int) -> list[tuple[str, list[int], int]]:
+def workload(seed: int, count: int, capacity: int) -> list[Request]:
+    """One request whose prompt fills 78% of ``capacity``, then ``count`` short ones.
+
+    Each short one is small enough to be admitted beside the long one (its
+    prompt plus a page plus its whole ``max_new_tokens`` fits what the long
+    one's optimistic reservation leaves) and long-lived enough that the two
+    outgrow the pool before either finishes: decoding runs out of memory.
+    """
     rng = random.Random(seed)
     long_len = int(capacity * 0.78)
     reqs = [("long", [rng.randrange(256) for _ in range(long_len)], 40)]
     for i in range(count):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(4, 24))]
-        reqs.append((f"short-{i}", prompt, rng.randint(8, 40)))
+        prompt = [rng.randrange(256) for _ in range(rng.randint(4, 12))]
+        reqs.append((f"short-{i}", prompt, rng.randint(28, 31)))
     return reqs
 
 
-async def drive(address: str, reqs: list[tuple[str, list[int], int]]) -> dict[str, Any]:
-    started = time.monotonic()
-    async with AsyncGenerateClient(address, timeout_s=300) as client:
-        results = await asyncio.gather(
-            *(
-                client.generate(prompt, rid=rid, sampling={"max_new_tokens": n})
-                for rid, prompt, n in reqs
-            )
+# -- sampling --------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the run started
+    used: int  # capacity - available: tokens held by requests or cached
+    evictable: int
+    new_token_ratio: float
+    queues: dict[str, int]
+    retract_events: int
+
+
+class Sampler:
+    """A thread that polls memsvc (pool sizes) and a scheduler or router (``info``)."""
+
+    def __init__(
+        self,
+        mem_address: str,
+        sched_address: str,
+        interval_s: float,
+        on_sample: Callable[[Sample], None] = lambda sample: None,
+    ) -> None:
+        self.interval_s = interval_s
+        self.on_sample = on_sample
+        self.samples: list[Sample] = []
+        self.mem = MemClient(mem_address, heartbeat=False, timeout_s=2.0, retries=0)
+        self.capacity = self.mem.layout.capacity_tokens
+        self.bytes_per_token = self.mem.layout.bytes_per_token
+        self.sched = GenerateClient(sched_address, timeout_s=2.0)
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="demo-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self.t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            self.sample()  # the state at the end
+        self.sched.close()
+        self.mem.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(Exception):  # a slow reply: skip this sample
+                self.sample()
+
+    def sample(self) -> None:
+        self.mem.heartbeat()  # every reply carries the pool's sizes
+        sizes = self.mem.sizes
+        info = self.sched.info()
+        sample = Sample(
+            t=time.monotonic() - self.t0,
+            used=self.capacity - sizes.available,
+            evictable=sizes.evictable,
+            new_token_ratio=float(info["new_token_ratio"]),
+            queues=queue_lengths(info),
+            retract_events=int(info["stats"]["retract_events"]),
         )
+        self.samples.append(sample)
+        self.on_sample(sample)
+
+
+def queue_lengths(info: dict[str, Any]) -> dict[str, int]:
+    """The decode node's queues in PD mode; running / waiting in normal mode."""
+    if "queues" in info:
+        return dict(info["queues"])
+    return {"running": info["num_running"], "waiting": info["num_waiting"]}
+
+
+# -- one run ---------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    name: str
+    outputs: dict[str, list[int]]
+    finish_types: dict[str, str]
+    latencies: list[float]
+    seconds: float
+    stats: dict[str, Any]  # the scheduler's (the decode node's, in PD mode) engine stats
+    bytes_per_token: int = 0
+    capacity: int = 0
+    samples: list[Sample] = field(default_factory=list)
+    prefill_tokens_per_s: float = 0.0  # measured on the reference run only
+
+
+async def drive(address: str, reqs: list[Request], progress: Progress, task: Any) -> RunResult:
+    """Submit every request at once; advance ``task`` as each one completes."""
+    started = time.monotonic()
+    latencies: list[float] = []
+
+    async def one(client: AsyncGenerateClient, rid: str, prompt: list[int], n: int):
+        result = await client.generate(prompt, rid=rid, sampling={"max_new_tokens": n})
+        latencies.append(time.monotonic() - started)
+        progress.advance(task)
+        return result
+
+    async with AsyncGenerateClient(address, timeout_s=300) as client:
+        results = await asyncio.gather(*(one(client, *req) for req in reqs))
+        seconds = time.monotonic() - started
         stats = (await client.info())["stats"]
-    elapsed = time.monotonic() - started
-    latencies = sorted(r.meta_info["e2e_latency"] for r in results)
+    return RunResult(
+        name="",
+        outputs={r.rid: list(r.output_ids) for r in results},
+        finish_types={r.rid: (r.finish_reason or {}).get("type", "") for r in results},
+        latencies=sorted(latencies),
+        seconds=seconds,
+        stats=stats,
+    )
+
+
+def measured_run(
+    name: str, mem: str, front: str, reqs: list[Request], progress: Progress, interval_s: float
+) -> RunResult:
+    """``drive`` with a :class:`Sampler` on memsvc ``mem`` and scheduler / router ``front``."""
+    task = progress.add_task(name, total=len(reqs), retracts=0)
+
+    def show(sample: Sample) -> None:
+        progress.update(task, retracts=sample.retract_events)
+
+    with Sampler(mem, front, interval_s, show) as sampler:
+        result = asyncio.run(drive(front, reqs, progress, task))
+    result.name, result.samples = name, sampler.samples
+    result.bytes_per_token, result.capacity = sampler.bytes_per_token, sampler.capacity
+    progress.update(task, retracts=result.stats["retract_events"])
+    return result
+
+
+def idle_check(*addresses: str) -> None:
+    """Every page back where it belongs and the host store empty, on each memsvc."""
+    for address in addresses:
+        with MemClient(address) as mem:
+            mem.check(idle=True)
+            entries = mem.stats()["host_store_entries"]
+            if entries:
+                raise AssertionError(f"memsvc at {address} still holds {entries} host entries")
+
+
+def run_normal(launcher: Launcher, checkpoint: Path, reqs, progress, interval_s) -> RunResult:
+    pool = [*POOL, "--num-pages", str(SMALL_PAGES)]
+    mem, _, sched = launcher.start_normal_stack(checkpoint, pool, PRESSURE, suffix="-normal")
+    result = measured_run("normal", mem.address, sched.address, reqs, progress, interval_s)
+    idle_check(mem.address)
+    return result
+
+
+def run_pd(launcher: Launcher, checkpoint: Path, reqs, progress, interval_s) -> RunResult:
+    up = launcher.start_pd_stack(
+        checkpoint,
+        [*POOL, "--num-pages", str(PREFILL_PAGES)],
+        PD_SCHEDULER,
+        decode_pool=["--num-pages", str(SMALL_PAGES)],
+        decode_scheduler=PRESSURE,
+        suffix="-pd",
+    )
+    mem_d = up["memsvc-d"].address
+    result = measured_run("PD", mem_d, up["router"].address, reqs, progress, interval_s)
+    idle_check(up["memsvc-p"].address, mem_d)
+    return result
+
+
+def run_reference(launcher: Launcher, checkpoint: Path, reqs, progress, interval_s) -> RunResult:
+    pool = [*POOL, "--num-pages", str(BIG_PAGES)]
+    mem, _, sched = launcher.start_normal_stack(checkpoint, pool, suffix="-reference")
+    result = measured_run("reference", mem.address, sched.address, reqs, progress, interval_s)
+    result.prefill_tokens_per_s = measure_prefill(sched.address)
+    idle_check(mem.address)
+    return result
+
+
+def measure_prefill(address: str) -> float:
+    """Prefill tokens/s of the idle stack: one fresh prompt, one output token."""
+    rng = random.Random(1234)
+    prompt = [rng.randrange(256) for _ in range(CALIBRATION_LEN)]
+    with GenerateClient(address, timeout_s=60) as client:
+        started = time.monotonic()
+        client.generate(prompt, rid="calibration", sampling={"max_new_tokens": 1})
+        return CALIBRATION_LEN / max(time.monotonic() - started, 1e-6)
+
+
+def measure_copy_bytes_per_s(nbytes: int = 16 << 20) -> float:
+    """memcpy bandwidth of this machine (an offload or load is one copy per run of pages)."""
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / max(best, 1e-9)
+
+
+# -- the report ------------------------------------------------------------------------
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q))]
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    """The numbers the table shows (and the plots use) for one run."""
+    stats, bpt = result.stats, result.bytes_per_token
+    generated = sum(len(ids) for ids in result.outputs.values())
     return {
-        "outputs": {r.rid: r.output_ids for r in results},
-        "retractions": sum(r.meta_info["num_retractions"] for r in results),
-        "aborts": sum(1 for r in results if r.finish_reason.get("type") == "abort"),
-        "generated": stats["generated_tokens"],
+        "requests": len(result.outputs),
+        "generated": generated,
+        "retract_events": stats["retract_events"],
+        "retracted_reqs": stats["retracted_reqs"],
         "reprefilled": stats["reprefilled_tokens"],
-        "seconds": elapsed,
-        "p50_latency": latencies[len(latencies) // 2],
-        "p99_latency": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "offloaded_bytes": stats["offloaded_tokens"] * bpt,
+        "loaded_bytes": stats["loaded_tokens"] * bpt,
+        "aborts": sum(1 for t in result.finish_types.values() if t == "abort"),
+        "tokens_per_s": generated / max(result.seconds, 1e-9),
+        "p50": percentile(result.latencies, 0.50),
+        "p99": percentile(result.latencies, 0.99),
+        "seconds": result.seconds,
     }
 
 
-def run_stack(launcher: Launcher, checkpoint: Path, pages: int, reqs, suffix: str, scheduler):
-    pool = [
-        "--page-size",
-        str(PAGE_SIZE),
-        "--num-pages",
-        str(pages),
-        "--max-running-requests",
-        "32",
-        "--max-context-len",
-        "1024",
-    ]
-    mem, _, sched = launcher.start_normal_stack(checkpoint, pool, scheduler, suffix=suffix)
-    result = asyncio.run(drive(sched.address, reqs))
-    with MemClient(mem.address) as client:
-        client.check(idle=True)  # every page back where it belongs
-    return result
+TABLE_ROWS = [
+    ("requests", "requests", "{:d}"),
+    ("tokens generated", "generated", "{:d}"),
+    ("retractions (events)", "retract_events", "{:d}"),
+    ("retracted requests", "retracted_reqs", "{:d}"),
+    ("tokens re-prefilled", "reprefilled", "{:d}"),
+    ("bytes offloaded", "offloaded_bytes", "{:,d}"),
+    ("bytes loaded", "loaded_bytes", "{:,d}"),
+    ("aborts", "aborts", "{:d}"),
+    ("tokens/s", "tokens_per_s", "{:.1f}"),
+    ("p50 latency (s)", "p50", "{:.2f}"),
+    ("p99 latency (s)", "p99", "{:.2f}"),
+    ("wall time (s)", "seconds", "{:.1f}"),
+]
+
+
+def render_table(summaries: dict[str, dict[str, Any]]) -> Table:
+    """One column per mode, one row per measure."""
+    table = Table(title="kvstack demo: retract under KV-memory pressure")
+    table.add_column("measure")
+    for mode in summaries:
+        table.add_column(mode, justify="right")
+    for label, key, fmt in TABLE_ROWS:
+        table.add_row(label, *(fmt.format(s[key]) for s in summaries.values()))
+    return table
+
+
+def check_identical(
+    reference: dict[str, list[int]], runs: dict[str, dict[str, list[int]]]
+) -> tuple[int, str]:
+    """(0, a line saying so) if every run's outputs equal ``reference``; else (1, what differs)."""
+    problems = []
+    for name, outputs in runs.items():
+        differing = sorted(rid for rid in reference if outputs.get(rid) != reference[rid])
+        extra = sorted(set(outputs) - set(reference))
+        if differing or extra:
+            problems.append(
+                f"{name}: {len(differing) + len(extra)} differ {(differing + extra)[:8]}"
+            )
+    if problems:
+        return 1, "FAIL: outputs differ from the no-pressure reference: " + "; ".join(problems)
+    modes = " and ".join(runs)
+    return 0, (
+        f"all {len(reference)} outputs of {modes} are token-identical to the no-pressure reference"
+    )
+
+
+def retract_cost(runs: dict[str, RunResult], reference: RunResult) -> dict[str, dict[str, float]]:
+    """Per pressure run: tokens of retract work, bytes moved and estimated seconds."""
+    copy_rate = measure_copy_bytes_per_s()
+    cost = {}
+    for name, run in runs.items():
+        s = summarize(run)
+        moved = s["offloaded_bytes"] + s["loaded_bytes"]
+        cost[name] = {
+            "reprefilled_tokens": s["reprefilled"],
+            "moved_bytes": moved,
+            "seconds": s["reprefilled"] / max(reference.prefill_tokens_per_s, 1e-9)
+            + moved / copy_rate,
+        }
+    return cost
+
+
+# -- entry points ----------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--requests", type=int, default=12, help="short requests")
+    parser.add_argument(
+        "--plots-dir",
+        type=Path,
+        default=None,
+        help="where the PNG plots go (if not given: a new temporary kvstack-demo-plots-* folder)",
+    )
+    parser.add_argument(
+        "--sample-interval", type=float, default=0.075, help="seconds between samples"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,50 +385,57 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from model_svc.tiny import default_checkpoint
+    from scheduler_svc import demo_plots
 
+    console = Console()
     checkpoint = default_checkpoint()
     reqs = workload(args.seed, args.requests, SMALL_PAGES * PAGE_SIZE)
     demand = sum(len(p) + n for _, p, n in reqs)
-    print(
-        f"workload: {len(reqs)} requests, {demand} tokens of demand "
-        f"(prompt + max_new); long prompt {len(reqs[0][1])} tokens"
+    console.print(
+        f"workload: {len(reqs)} requests, {demand} tokens of demand (prompt + max_new) "
+        f"on a {SMALL_PAGES * PAGE_SIZE}-token pool; long prompt {len(reqs[0][1])} tokens",
+        soft_wrap=True,
     )
-    with tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp, Launcher(tmp) as launcher:
-        print(f"pressure run: pool of {SMALL_PAGES * PAGE_SIZE} tokens ...", flush=True)
-        pressure = run_stack(
-            launcher,
-            checkpoint,
-            SMALL_PAGES,
-            reqs,
-            "-small",
-            ["--schedule-conservativeness", "0.3"],
-        )
-        print(f"reference run: pool of {BIG_PAGES * PAGE_SIZE} tokens ...", flush=True)
-        reference = run_stack(launcher, checkpoint, BIG_PAGES, reqs, "-big", [])
+    runs, leaked = execute(checkpoint, reqs, console, args.sample_interval)
+    reference = runs.pop("reference")
+    summaries = {name: summarize(r) for name, r in runs.items()}
+    summaries["reference"] = summarize(reference)
+    console.print(render_table(summaries))
+    code, line = check_identical(reference.outputs, {n: r.outputs for n, r in runs.items()})
+    console.print(line, style=None if code == 0 else "bold red", soft_wrap=True)
+    plots_dir = args.plots_dir or Path(tempfile.mkdtemp(prefix="kvstack-demo-plots-"))
+    written = demo_plots.write_all(plots_dir, runs, retract_cost(runs, reference))
+    console.print(f"plots ({len(written)} PNG files) written to {plots_dir}", soft_wrap=True)
+    if leaked:
+        console.print(f"FAIL: shared-memory segments left behind: {leaked}", style="bold red")
+        return 1
+    console.print("memsvc idle checks passed on every pool: no page leaked, no segment left")
+    return code
 
-    header = (
-        f"{'run':<10}{'retractions':>12}{'re-prefilled':>14}{'generated':>11}"
-        f"{'aborts':>8}{'tok/s':>9}{'p50 s':>8}{'p99 s':>8}"
+
+def execute(checkpoint: Path, reqs, console: Console, interval_s: float):
+    """The three runs, each on its own stack, stopped before the next starts."""
+    runs: dict[str, RunResult] = {}
+    columns = (
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("retracts {task.fields[retracts]}"),
+        TimeElapsedColumn(),
     )
-    print("\n" + header)
-    for name, r in (("pressure", pressure), ("reference", reference)):
-        print(
-            f"{name:<10}{r['retractions']:>12}{r['reprefilled']:>14}{r['generated']:>11}"
-            f"{r['aborts']:>8}{r['generated'] / r['seconds']:>9.0f}{r['p50_latency']:>8.2f}"
-            f"{r['p99_latency']:>8.2f}"
-        )
-    identical = pressure["outputs"] == reference["outputs"]
-    if identical:
-        print(f"\nall {len(reqs)} outputs are token-identical to the no-pressure reference")
-        print("memsvc idle check passed on both pools: no page leaked")
-        return 0
-    differing = [
-        rid
-        for rid in reference["outputs"]
-        if pressure["outputs"].get(rid) != reference["outputs"][rid]
-    ]
-    print(f"\nFAIL: {len(differing)} outputs differ from the reference: {differing[:8]}")
-    return 1
+    leaked: list[str] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp,
+        Progress(*columns, console=console) as progress,
+    ):
+        for name, runner in (("normal", run_normal), ("PD", run_pd), ("reference", run_reference)):
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            launcher = Launcher(workdir)
+            with launcher:
+                runs[name] = runner(launcher, checkpoint, reqs, progress, interval_s)
+            leaked += launcher.leaked_segments
+    return runs, leaked
 
 
 if __name__ == "__main__":
