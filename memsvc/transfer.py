@@ -116,7 +116,12 @@ class Room:
 
 
 class NixlMover:
-    """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool."""
+    """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool.
+
+    A shm pool is registered as DRAM; a cuda pool (cupy) as VRAM on its
+    device, so pages go GPU to GPU (UCX's CUDA transports, NVLink or RDMA
+    where present) without staging through host memory.
+    """
 
     name = "nixl"
 
@@ -130,9 +135,13 @@ class NixlMover:
             ) from exc
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
         kv = pool.buffers.kv
-        self.base = int(kv.ctypes.data)
+        if isinstance(kv, np.ndarray):
+            self.base, self.mem, self.device = int(kv.ctypes.data), "DRAM", 0
+        else:  # a cupy array on the GPU
+            self.base, self.mem = int(kv.data.ptr), "VRAM"
+            self.device = int(pool.buffers.device)
         self.page_bytes = pool.buffers.layout.bytes_per_page
-        self.agent.register_memory([(self.base, kv.nbytes, 0, "")], "DRAM")
+        self.agent.register_memory([(self.base, kv.nbytes, self.device, "")], self.mem)
         self._remotes: dict[str, str] = {}
 
     def describe(self) -> dict[str, Any]:
@@ -140,20 +149,26 @@ class NixlMover:
             "agent": self.agent.name,
             "meta": self.agent.get_agent_metadata(),
             "base": self.base,
+            "mem": self.mem,
+            "device": self.device,
         }
 
-    def _descs(self, base: int, pages: np.ndarray) -> np.ndarray:
+    def _descs(self, base: int, pages: np.ndarray, device: int) -> np.ndarray:
         descs = np.zeros((pages.size, 3), dtype=np.uint64)
         descs[:, 0] = base + pages.astype(np.uint64) * self.page_bytes
         descs[:, 1] = self.page_bytes
+        descs[:, 2] = device
         return descs
 
     def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
         name = dest["agent"]
         if name not in self._remotes:
             self._remotes[name] = self.agent.add_remote_agent(dest["meta"])
-        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages), "DRAM")
-        remote = self.agent.get_xfer_descs(self._descs(int(dest["base"]), dst_pages), "DRAM")
+        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages, self.device), self.mem)
+        remote = self.agent.get_xfer_descs(
+            self._descs(int(dest["base"]), dst_pages, int(dest.get("device", 0))),
+            dest.get("mem", "DRAM"),
+        )
         room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
         if self.agent.transfer(room.handle) == "ERR":
             raise RuntimeError("NIXL refused to post the transfer")
