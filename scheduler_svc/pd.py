@@ -14,18 +14,27 @@ and where it goes::
 On the decode node, while anything is retracted no preallocation starts and no
 transfer is committed (SGLang's ``process_decode_queue``): the parked requests
 come back first. The prefill node is never involved in that recovery.
+
+When a node's memsvc loses the scheduler's KV (it restarted, or expired the
+session), :class:`scheduler_svc.recovery.Recovery` calls the engine's
+``requeue_kv_holders``: the prefill node prefills again every request that
+held KV there, and sends it to the same room (the decode side still waits
+for it); the decode node, which cannot prefill, re-bootstraps every
+request that held KV there (running, retracted to its host store, in the
+transfer queue) through the prefill node under a fresh room.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from memsvc.core.errors import OutOfRowsError
+from memsvc.core.errors import InvalidArgumentError, MemsvcError, OutOfRowsError
 from memsvc.transfer import KVPoll
-from scheduler_svc.core import Req, ceil_page
+from scheduler_svc.core import Req, ReqState, ceil_page
 from scheduler_svc.engine import Engine
 
 log = logging.getLogger("scheduler_svc")
@@ -67,14 +76,19 @@ class PrefillEngine(Engine):
         if req.bootstrap_room is None:
             await self._abort(req, "a prefill node needs a bootstrap room", 400)
             return
-        await self.mem.pd_send(
-            req.rid,
-            req.bootstrap_room,
-            req.kv_len,
-            token,
-            cached_tokens=req.cached_tokens,
-            peer_rid=req.bootstrap_rid,
-        )
+        try:
+            await self.mem.pd_send(
+                req.rid,
+                req.bootstrap_room,
+                req.kv_len,
+                token,
+                cached_tokens=req.cached_tokens,
+                peer_rid=req.bootstrap_rid,
+            )
+        except InvalidArgumentError as exc:  # e.g. the room is still held by a dead predecessor
+            self.stats.transfer_failed += 1
+            await self._abort(req, transfer_failed_message(req, req.bootstrap_room, str(exc)), 500)
+            return
         self.inflight[req.bootstrap_room] = req
 
     async def _poll_inflight(self) -> bool:
@@ -100,8 +114,63 @@ class PrefillEngine(Engine):
         room = req.bootstrap_room
         if room is not None and self.inflight.get(room) is req:
             del self.inflight[room]
-            await self.mem.pd_forget([room])
+            try:
+                await self.mem.pd_forget([room])
+            except MemsvcError:
+                _abort_locally(self, req, message, status_code)
+                raise
         await super()._abort(req, message, status_code)
+
+    # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
+
+    def requeue_kv_holders(self, why: str) -> list[Req]:
+        """memsvc-P lost our KV: every request that held some is prefilled again.
+
+        They go to the front of ``waiting``. One that had sampled its first
+        token (its KV was being sent, or about to be) starts over as a fresh
+        attempt of the same request: prefilled from its prompt, it samples the
+        same token and sends the same room again. The decode side still waits
+        for that room, unless it had received part of the pages (that transfer
+        then fails: 500) or all of them (the decode node runs the request; the
+        router aborts the leftover send here when the request ends). Returns them.
+        """
+        log.warning("memsvc-P lost the KV (%s): prefilling its holders again", why)
+        requeued = []
+        for req in list(self.reqs.values()):
+            if req.is_finished:
+                self._report(req)
+            elif req.output_ids:
+                fresh = Req(
+                    req.rid,
+                    req.origin_input_ids,
+                    req.sampling_params,
+                    priority=req.priority,
+                    bootstrap_room=req.bootstrap_room,
+                    bootstrap_rid=req.bootstrap_rid,
+                    arrival_time=req.arrival_time,
+                )
+                self.reqs[req.rid] = fresh
+                requeued.append(fresh)
+            elif req.state in (ReqState.PREFILLING, ReqState.RUNNING):
+                req.reset_for_retract()
+                requeued.append(req)
+        self.inflight.clear()
+        self.running.clear()
+        self.chunked = None
+        rest = [r for r in self.waiting if all(r.rid != q.rid for q in requeued)]
+        self.waiting.clear()
+        self.waiting.extend([*requeued, *rest])
+        return requeued
+
+    def forget_all(self) -> None:
+        """Every live request was failed (and reported): drop the PD queues too."""
+        self.inflight.clear()
+
+    def _report(self, req: Req) -> None:
+        self.reqs.pop(req.rid, None)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.emit(req, True)
 
 
 class DecodeEngine(Engine):
@@ -113,7 +182,9 @@ class DecodeEngine(Engine):
         self.transfer: dict[int, Req] = {}
         self.retracted: deque[Req] = deque()
         self._rows: dict[str, int] = {}  # rows reserved for requests awaiting their KV
-        self._next_room = 1 << 62  # re-bootstrap rooms: never collide with the router's
+        # Re-bootstrap rooms: never collide with the router's (< 2**62), nor (a random
+        # start) with those a restarted predecessor left on the prefill node.
+        self._next_room = (1 << 62) + (secrets.randbelow(1 << 40) << 16)
         self.on_rebootstrap: Callable[[Req, int, list[int]], None] = lambda *a: None
         # (forward pass, event, rid) for tests and plots: prealloc / commit / retract / resume.
         self.timeline: deque[tuple[int, str, str]] = deque(maxlen=TIMELINE_LEN)
@@ -290,12 +361,8 @@ class DecodeEngine(Engine):
     async def _offload_failed(self, req: Req) -> None:
         self._event("retract", req)
         if self.config.pd_retract_fallback == "recompute":
-            room, self._next_room = self._next_room, self._next_room + 1
-            req.bootstrap_room = room
-            self.stats.rebootstraps += 1
             self.prealloc.appendleft(req)
-            # The prefill node recomputes the KV of everything but the last token.
-            self.on_rebootstrap(req, room, req.fill_ids[:-1])
+            self._rebootstrap(req)
             return
         self.stats.host_full_aborts += 1
         await self._abort(
@@ -305,6 +372,65 @@ class DecodeEngine(Engine):
             500,
         )
 
+    def _rebootstrap(self, req: Req) -> None:
+        """Ask (through the router) for ``req``'s KV again, under a fresh room.
+
+        A retracted request gets everything but its last token recomputed; one
+        that never got its prompt's KV gets the prompt (and the first token).
+        """
+        room, self._next_room = self._next_room, self._next_room + 1
+        req.bootstrap_room = room
+        self.stats.rebootstraps += 1
+        ids = req.fill_ids[:-1] if req.is_retracted else req.origin_input_ids
+        self.on_rebootstrap(req, room, ids)
+
+    # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
+
+    def requeue_kv_holders(self, why: str) -> list[Req]:
+        """memsvc-D lost our KV: re-bootstrap every request that held any there.
+
+        Running, retracted to memsvc-D's host store, or in the transfer queue
+        (its pages preallocated, its room expected): all of that went with the
+        old session. This node cannot prefill, so each one goes to the front of
+        the preallocation queue under a fresh room, and the prefill node
+        recomputes its KV (``on_rebootstrap``); its tokens do not change.
+        Requests still waiting for preallocation held nothing and stay, except
+        the head of that queue: the failed step may have been preallocating it,
+        and memsvc-D may have expected its room for the lost session (then the
+        prefill node's transfer into that room can succeed, and a second one
+        would never come).
+        """
+        log.warning("memsvc-D lost the KV (%s): re-bootstrapping its holders", why)
+        queued = {id(r) for r in list(self.prealloc)[1:]}
+        lost = []
+        for req in list(self.reqs.values()):
+            if req.is_finished:
+                self.reqs.pop(req.rid, None)
+                self.emit(req, True)
+            elif id(req) not in queued:
+                if req.state is ReqState.RUNNING:
+                    req.reset_for_retract()
+                req.host_copy = False
+                lost.append(req)
+        self.prealloc = deque(r for r in self.prealloc if id(r) in queued)
+        self._drop_kv_queues()
+        self.prealloc.extendleft(reversed(lost))
+        for req in lost:
+            self._event("retract", req)
+            self._rebootstrap(req)
+        return lost
+
+    def forget_all(self) -> None:
+        """Every live request was failed (and reported): drop the PD queues too."""
+        self._drop_kv_queues()
+        self.prealloc.clear()
+
+    def _drop_kv_queues(self) -> None:
+        self.running.clear()
+        self.transfer.clear()
+        self.retracted.clear()
+        self._rows.clear()
+
     async def _abort(self, req: Req, message: str, status_code: int) -> None:
         if req in self.prealloc:
             self.prealloc.remove(req)
@@ -313,9 +439,13 @@ class DecodeEngine(Engine):
         room = req.bootstrap_room
         if room is not None and self.transfer.get(room) is req:
             del self.transfer[room]
-            await self.mem.pd_forget([room])
-            await self.mem.free_row(req.rid)
             self._rows.pop(req.rid, None)
+            try:
+                await self.mem.pd_forget([room])
+                await self.mem.free_row(req.rid)
+            except MemsvcError:
+                _abort_locally(self, req, message, status_code)
+                raise
         await super()._abort(req, message, status_code)
 
     def queue_lengths(self) -> dict[str, int]:
@@ -325,3 +455,15 @@ class DecodeEngine(Engine):
             "retracted": len(self.retracted),
             "running": len(self.running),
         }
+
+
+def _abort_locally(engine: Engine, req: Req, message: str, status_code: int) -> None:
+    """memsvc failed while ``req`` was being aborted: it ends all the same.
+
+    The step's recovery (a new session; the old one's KV is reclaimed) then
+    reports it like any request that finished in a failed step, instead of
+    bringing it back.
+    """
+    if not req.is_finished:
+        req.abort(message, status_code)
+        engine.stats.aborted_reqs += 1

@@ -15,7 +15,9 @@ means and repairs the engine's queues (``running``, ``waiting``,
   one, one in a half-built prefill batch) as retracted: ``reset_for_retract``
   keeps its output, and it is re-prefilled from ``origin_input_ids +
   output_ids`` ahead of the requests that never started. With greedy (or
-  seeded) sampling its tokens come out the same.
+  seeded) sampling its tokens come out the same. A PD engine has its own
+  queues and says what losing the KV means for them (its
+  ``requeue_kv_holders(why)``, see :mod:`scheduler_svc.pd`).
 - **a request id is owned by another session** (the session of a scheduler
   that died before us, until memsvc ends it): undo the half-built batch and
   try again shortly; past the timeout the request ends with an explicit error.
@@ -86,6 +88,12 @@ def kv_lost(exc: BaseException) -> bool:
     return isinstance(exc, ForwardError) and exc.code == "stale_pool"
 
 
+def requeue_after_kv_loss(engine: Any, why: str) -> list[Req]:
+    """The engine's own ``requeue_kv_holders(why)`` (PD), else :func:`requeue_kv_holders`."""
+    hook = getattr(engine, "requeue_kv_holders", None)
+    return hook(why) if hook is not None else requeue_kv_holders(engine)
+
+
 def requeue_kv_holders(engine: Any) -> list[Req]:
     """Every request that held KV becomes retracted and goes to the front of ``waiting``.
 
@@ -118,6 +126,8 @@ async def rollback_torn(engine: Any) -> list[Req]:
     Anything else that holds KV has its row freed and is re-queued, first.
     """
     keep = {id(r) for r in engine.running if r.state is ReqState.RUNNING}
+    # PD prefill: a request waiting for its transfer holds its KV on purpose.
+    keep |= {id(r) for r in getattr(engine, "inflight", {}).values()}
     chunked = engine.chunked
     between_chunks = chunked is not None and chunked.state is ReqState.PREFILLING
     if between_chunks and not chunked.extend_in_flight:
@@ -240,8 +250,9 @@ class Recovery:
                 f"memsvc failed {self._consecutive} times in a row, last: "
                 f"{type(exc).__name__}: {exc}"
             )
-        await self.new_session(f"{type(exc).__name__}: {exc}")
-        requeued = requeue_kv_holders(self.engine)
+        why = f"{type(exc).__name__}: {exc}"
+        await self.new_session(why)
+        requeued = requeue_after_kv_loss(self.engine, why)
         self.stats.requeued_reqs += len(requeued)
         log.warning(
             "memsvc recovery: new session (epoch %s); %d requests re-queued for re-prefill: %s",
@@ -306,6 +317,9 @@ class Recovery:
 
     async def reclaim(self) -> None:
         """After every live request was failed: a new session, so nothing stays held."""
+        forget_all = getattr(self.engine, "forget_all", None)  # PD engines' own queues
+        if forget_all is not None:
+            forget_all()
         if self.connect_mem is None:
             return
         try:

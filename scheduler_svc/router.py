@@ -1,8 +1,8 @@
 """``python -m scheduler_svc.router``: the PD front, with the normal-mode generate API.
 
 A client talks to the router exactly as to a normal-mode scheduler. For each
-``generate`` the router picks a bootstrap room and sends the request to both
-nodes: the prefill scheduler computes the prompt's KV and first token and
+``generate`` the router derives a bootstrap room from the rid and sends the
+request to both nodes: the prefill scheduler computes the prompt's KV and first token and
 memsvc-P writes them into the pages memsvc-D preallocated; the decode
 scheduler streams the output, which the router relays::
 
@@ -15,6 +15,19 @@ recompute``) asks through the router (a ``rebootstrap`` reply), which sends
 the prefill node ``origin + output[:-1]`` under a fresh room. If the prefill
 node rejects a request, or stops answering for ``--prefill-timeout`` seconds,
 the decode side is aborted and the client gets the prefill node's error.
+
+Faults (see README "Fault tolerance"): the bootstrap room is derived from the
+rid, so a client that re-submits through a restarted router pairs the two
+nodes' halves of its request again (each node attaches a live rid or answers
+a finished one from its result cache); a re-submission to this router takes
+over the live request's replies (the decode node restarts the stream at
+offset 0). A scheduler restarted at the same address (a new pid answers the
+router's ping) is caught up: the prefill one gets the prefill requests its
+predecessor had not answered, the decode one every live request again from
+the start (whose prompt the prefill node prefills again). A prefill request
+left without a use (its decode side ended first) is aborted on the prefill
+node, so nothing stays held there. Undecodable replies are dropped; a
+``malformed`` error for a generate (damaged on the way) sends it again.
 """
 
 from __future__ import annotations
@@ -22,10 +35,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
-import secrets
 import signal
 import sys
 import time
@@ -40,10 +53,19 @@ from memsvc import protocol as wire
 from memsvc.cli import add_service_args, setup_logging, write_ready_file
 from memsvc.server import check_listen_address, default_listen_address
 from scheduler_svc import protocol as p
+from scheduler_svc.engine import _seed_from_rid
 
 log = logging.getLogger("scheduler_svc.router")
 
 PING_INTERVAL_S = 1.0
+MAX_DECODE_RESENDS = 3  # a generate the decode node calls malformed (damaged on the way)
+ROOM_BITS = 62  # decode-node re-bootstrap rooms start at 1 << 62
+
+
+def room_for(key: str) -> int:
+    """The bootstrap room of a rid: a restarted router pairs the nodes again."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - ROOM_BITS)
 
 
 @dataclass
@@ -54,9 +76,20 @@ class Flight:
     op_id: int
     rid: str
     header: dict[str, Any]  # the generate as the decode node got it
-    prefill_ops: set[int] = field(default_factory=set)
+    arrays: dict[str, Any] | None = None
+    fingerprint: str = ""  # input + sampling + priority: a re-submission must match it
+    prompt_len: int | None = None
+    decode_op: int = 0
+    # prefill requests not answered yet: op -> (header, arrays), to re-send or abort
+    prefill_ops: dict[int, tuple[dict[str, Any], Any]] = field(default_factory=dict)
+    prefill_rids: list[str] = field(default_factory=list)  # its names on the prefill node
+    current: int | None = None  # the prefill op whose KV the decode node still waits for
+    commit_mark: int = 0  # a decode chunk past this many tokens: that KV arrived
+    seen: int = 0  # output tokens the decode node has streamed
     prefill_error: dict[str, Any] | None = None
-    prefill_done: bool = False
+    resends: int = 0
+    redrives: int = 0  # started over on a restarted decode scheduler
+    redrive_pending: bool = False  # prefill again once the prefill node answers the last one
 
 
 class Router:
@@ -66,14 +99,22 @@ class Router:
         self.listen, self.prefill_address, self.decode_address = listen, prefill, decode
         self.prefill_timeout_s = prefill_timeout_s
         self._ops = itertools.count(1)
-        self._rooms = itertools.count(secrets.randbelow(1 << 40) << 16)
+        self._flights: dict[str, Flight] = {}  # live requests by rid
         self._by_decode_op: dict[int, Flight] = {}
         self._by_prefill_op: dict[int, Flight] = {}
         self._pending: dict[int, asyncio.Future] = {}  # abort / info round trips
         self._prefill_seen = time.monotonic()
+        self._pids: dict[str, int | None] = {"prefill": None, "decode": None}  # who answers
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.stats = {"requests": 0, "rebootstraps": 0, "prefill_errors": 0}
+        self.stats = {
+            "requests": 0,
+            "rebootstraps": 0,
+            "prefill_errors": 0,
+            "resubmits": 0,  # a client sent a live rid again
+            "prefill_resends": 0,  # re-sent to a restarted prefill scheduler
+            "redrives": 0,  # started over on a restarted decode scheduler
+        }
 
     async def run(self, ready_file: str | None = None) -> None:
         ctx = zmq.asyncio.Context()
@@ -95,6 +136,7 @@ class Router:
                 asyncio.create_task(self._from_decode()),
                 asyncio.create_task(self._from_prefill()),
                 asyncio.create_task(self._watch_prefill()),
+                asyncio.create_task(self._watch_decode()),
             ]
             write_ready_file(ready_file, self.listen)
             print(f"router listening on {self.listen}", flush=True)
@@ -144,7 +186,23 @@ class Router:
                 await self._reply(identity, _error(op_id, exc.code, exc.message, 400))
 
     async def _generate(self, identity: bytes, msg: p.Generate) -> None:
-        room = next(self._rooms)
+        fingerprint = _fingerprint(msg)
+        live = self._flights.get(msg.rid)
+        if live is not None:
+            if live.fingerprint != fingerprint:
+                message = f"request {msg.rid!r} is already running"
+                await self._reply(identity, _error(msg.op_id, "duplicate_rid", message, 400))
+                return
+            if (live.identity, live.op_id) == (identity, msg.op_id):
+                return  # the same message twice
+            # Re-submitted (the client lost its connection or heard nothing for a while):
+            # the decode node attaches it to the live request and restarts the stream.
+            self.stats["resubmits"] += 1
+            live.identity, live.op_id = identity, msg.op_id
+            live.header["stream"] = msg.stream
+            await self._send_decode(live)
+            return
+        room = room_for(msg.rid)
         header = {
             "op": "generate",
             "rid": msg.rid,
@@ -158,35 +216,67 @@ class Router:
             arrays = {"input_ids": msg.input_ids}
         else:
             header["text"] = msg.text
-        flight = Flight(identity, msg.op_id, msg.rid, header)
+        prompt_len = msg.input_ids.size if msg.input_ids is not None else None
+        flight = Flight(identity, msg.op_id, msg.rid, header, arrays, fingerprint, prompt_len)
+        self._flights[msg.rid] = flight
         self.stats["requests"] += 1
-        decode_op = next(self._ops)
-        self._by_decode_op[decode_op] = flight
-        await self.decode.send_multipart(wire.pack({**header, "op_id": decode_op}, arrays))
+        await self._send_decode(flight)
         await self._send_prefill(flight, {**header, "stream": False}, arrays)
 
-    async def _send_prefill(self, flight: Flight, header: dict, arrays: dict | None) -> None:
+    async def _send_decode(self, flight: Flight) -> None:
+        """(Re-)send the generate to the decode node; replies to an earlier one are dropped."""
+        self._by_decode_op.pop(flight.decode_op, None)
+        flight.decode_op = next(self._ops)
+        self._by_decode_op[flight.decode_op] = flight
+        frames = wire.pack({**flight.header, "op_id": flight.decode_op}, flight.arrays)
+        await self.decode.send_multipart(frames)
+
+    async def _send_prefill(
+        self, flight: Flight, header: dict, arrays: dict | None, commit_mark: int = 0
+    ) -> None:
+        """Send a prefill request; the decode node now waits for its KV."""
         op = next(self._ops)
-        flight.prefill_ops.add(op)
+        flight.prefill_ops[op] = (header, arrays)
+        if header["rid"] not in flight.prefill_rids:
+            flight.prefill_rids.append(header["rid"])
+        flight.current, flight.commit_mark = op, commit_mark
         self._by_prefill_op[op] = flight
         await self.prefill.send_multipart(wire.pack({**header, "op_id": op}, arrays))
 
-    async def _abort(self, identity: bytes, msg: p.Abort) -> None:
-        found = await self._call(self.decode, {"op": "abort", "rid": msg.rid})
-        for rid in self._prefill_rids(msg.rid):
+    async def _end(self, flight: Flight, *, cleanup: bool = True) -> None:
+        """The decode side ended ``flight``: forget it; abort what the prefill node still runs."""
+        self._by_decode_op.pop(flight.decode_op, None)
+        if self._flights.get(flight.rid) is flight:
+            del self._flights[flight.rid]
+        left = self._drop_prefill_ops(flight)
+        if cleanup:
+            await self._abort_on_prefill(left)
+
+    def _drop_prefill_ops(self, flight: Flight) -> list[str]:
+        """Stop waiting for the prefill node's replies to ``flight``; their rids."""
+        rids = [header["rid"] for header, _ in flight.prefill_ops.values()]
+        for op in flight.prefill_ops:
+            self._by_prefill_op.pop(op, None)
+        flight.prefill_ops.clear()
+        flight.current = None
+        return list(dict.fromkeys(rids))
+
+    async def _abort_on_prefill(self, rids: list[str]) -> None:
+        for rid in rids:
             await self.prefill.send_multipart(
                 wire.pack({"op": "abort", "rid": rid, "op_id": next(self._ops)})
             )
+
+    async def _abort(self, identity: bytes, msg: p.Abort) -> None:
+        found = await self._call(self.decode, {"op": "abort", "rid": msg.rid})
+        await self._abort_on_prefill(self._prefill_rids(msg.rid))
         reply = {"ok": True, "op_id": msg.op_id, "found": bool(found and found.get("found"))}
         await self._reply(identity, wire.pack(reply))
 
     def _prefill_rids(self, rid: str) -> list[str]:
         """``rid`` and the names its re-bootstraps ran under on the prefill node."""
-        names = [rid]
-        for flight in self._by_decode_op.values():
-            if flight.rid == rid:
-                names += [f"{rid}:rb{room}" for room in flight.header.get("rebootstrap_rooms", ())]
-        return names
+        flight = self._flights.get(rid)
+        return list(dict.fromkeys([rid, *(flight.prefill_rids if flight else [])]))
 
     async def _info(self, identity: bytes, msg: p.Info) -> None:
         decode = await self._call(self.decode, {"op": "info"})
@@ -195,7 +285,8 @@ class Router:
             reply = _error(msg.op_id, "unavailable", "the decode node does not answer", 503)
         else:
             info = {k: v for k, v in decode.items() if k not in ("op_id", "ok")}
-            info.update(mode="pd", prefill=prefill, router=dict(self.stats))
+            router = {**self.stats, "flights": len(self._flights)}
+            info.update(mode="pd", prefill=prefill, router=router)
             reply = wire.pack({"ok": True, "op_id": msg.op_id, **info})
         await self._reply(identity, reply)
 
@@ -226,10 +317,13 @@ class Router:
 
     async def _from_decode(self) -> None:
         while True:
-            header = wire.unpack(await self.decode.recv_multipart())
+            header = _unpack(await self.decode.recv_multipart(), "decode")
+            if header is None:
+                continue
             op = header.get("op_id")
             if op in self._pending:
-                self._pending[op].set_result(header)
+                if not self._pending[op].done():
+                    self._pending[op].set_result(header)
                 continue
             flight = self._by_decode_op.get(op)
             if flight is None:
@@ -238,21 +332,32 @@ class Router:
             if kind == "rebootstrap":
                 await self._rebootstrap(flight, header)
                 continue
-            final = kind == "done" or not header.get("ok")
-            if final:
-                del self._by_decode_op[op]
-                for prefill_op in flight.prefill_ops:
-                    self._by_prefill_op.pop(prefill_op, None)
+            ok = header.get("ok")
+            if not ok and header.get("code") == "malformed" and flight.resends < MAX_DECODE_RESENDS:
+                flight.resends += 1  # the generate was damaged on the way: send it again
+                await self._send_decode(flight)
+                continue
+            if kind == "chunk":
+                end = int(header.get("offset", 0)) + len(header.get("token_ids") or ())
+                flight.seen = max(flight.seen, end)
+                if end > flight.commit_mark:
+                    flight.current = None  # decoding past it: the KV it waited for arrived
+            if kind == "done" or not ok:
+                await self._end(flight, cleanup=header.get("code") != "duplicate_rid")
                 if flight.prefill_error is not None and _is_abort(header):
                     header = flight.prefill_error  # say why the prefill side failed
             await self._reply(flight.identity, wire.pack({**header, "op_id": flight.op_id}))
 
     async def _rebootstrap(self, flight: Flight, header: dict) -> None:
-        """The decode node re-prefills a victim through us: origin + output[:-1], one token."""
+        """The decode node re-prefills a victim through us: origin + output[:-1], one token.
+
+        The prefill node samples under the request's own seed (the rid's, if it
+        set none), so a request whose first token is sampled again gets the same.
+        """
         self.stats["rebootstraps"] += 1
         room = int(header["room"])
-        flight.header.setdefault("rebootstrap_rooms", []).append(room)
         sampling = {**flight.header["sampling"], "max_new_tokens": 1, "ignore_eos": True}
+        sampling["seed"] = sampling.get("seed") or _seed_from_rid(flight.rid)
         request = {
             "op": "generate",
             "rid": f"{flight.rid}:rb{room}",
@@ -263,21 +368,33 @@ class Router:
             "bootstrap_rid": flight.rid,
         }
         ids = np.asarray(header["input_ids"], dtype=wire.ARRAY_DTYPE)
-        await self._send_prefill(flight, request, {"input_ids": ids})
+        outputs = ids.size + 1 - flight.prompt_len if flight.prompt_len else 0
+        await self._send_prefill(flight, request, {"input_ids": ids}, max(flight.seen, outputs))
 
     async def _from_prefill(self) -> None:
         while True:
-            header = wire.unpack(await self.prefill.recv_multipart())
+            header = _unpack(await self.prefill.recv_multipart(), "prefill")
+            if header is None:
+                continue
             self._prefill_seen = time.monotonic()
             op = header.get("op_id")
             if op in self._pending:
-                self._pending[op].set_result(header)
+                if not self._pending[op].done():
+                    self._pending[op].set_result(header)
+                continue
+            if header.get("type") == "chunk":
                 continue
             flight = self._by_prefill_op.pop(op, None)
-            if flight is None or header.get("type") == "chunk":
+            if flight is None:
                 continue
-            flight.prefill_ops.discard(op)
-            flight.prefill_done = True
+            flight.prefill_ops.pop(op, None)
+            if flight.redrive_pending:
+                if not flight.prefill_ops:
+                    await self._prefill_again(flight)
+                continue
+            if op != flight.current:
+                continue  # superseded (re-sent or re-bootstrapped since): only the latest counts
+            flight.current = None
             if not header.get("ok") or _is_abort(header):
                 await self._prefill_failed(flight, header)
 
@@ -301,16 +418,123 @@ class Router:
         """Ping the prefill node; if it stays silent, fail what waits on it."""
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            self._spawn(self._call(self.prefill, {"op": "info"}, timeout=PING_INTERVAL_S))
+            self._spawn(self._ping("prefill", self.prefill, self._prefill_restarted))
             silent = time.monotonic() - self._prefill_seen
             if silent < self.prefill_timeout_s:
                 continue
-            for flight in list(self._by_decode_op.values()):
-                if flight.prefill_ops and flight.prefill_error is None:
+            for flight in list(self._flights.values()):
+                if flight.current is not None and flight.prefill_error is None:
                     why = f"prefill node unreachable for {silent:.0f}s"
                     await self._prefill_failed(
                         flight, _error_header("prefill_unreachable", why, 500)
                     )
+
+    # -- restarts of the nodes' schedulers ------------------------------------------------
+
+    async def _watch_decode(self) -> None:
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            self._spawn(self._ping("decode", self.decode, self._decode_restarted))
+
+    async def _ping(self, node: str, sock: zmq.asyncio.Socket, on_restart) -> None:
+        """``info``; a new scheduler process answering (a new pid) means the old one died.
+
+        (By the pid it reports rather than by the socket: a proxy in between
+        would hide the disconnect.) The restarted scheduler serves only after
+        ending its predecessor's memsvc session, so the old attempt's KV and
+        transfer rooms are gone by then.
+        """
+        info = await self._call(sock, {"op": "info"}, timeout=PING_INTERVAL_S)
+        pid = info.get("pid") if info and info.get("ok") else None
+        if pid is None:
+            return
+        known, self._pids[node] = self._pids[node], pid
+        if known is not None and known != pid:
+            await on_restart()
+
+    async def _prefill_restarted(self) -> None:
+        """The prefill scheduler was restarted: the new one gets what the old had not answered.
+
+        Same rid and room: the decode side still waits for that room. (The
+        successor ended its predecessor's memsvc session first, which cancelled
+        the transfers that session had started: those requests fail with 500.)
+        """
+        resent = 0
+        for flight in list(self._flights.values()):
+            current = flight.prefill_ops.get(flight.current) if flight.current else None
+            mark = flight.commit_mark
+            self._drop_prefill_ops(flight)
+            if flight.redrive_pending:
+                await self._prefill_again(flight)
+            elif current is not None:
+                await self._send_prefill(flight, *current, commit_mark=mark)
+            else:
+                continue
+            resent += 1
+        self.stats["prefill_resends"] += resent
+        log.warning("prefill scheduler restarted: %d requests sent to it again", resent)
+
+    async def _decode_restarted(self) -> None:
+        """The decode scheduler was restarted, and every request it ran is gone: start over.
+
+        Each live request goes to the new decode scheduler again (under its own
+        room; the stream restarts at offset 0 and clients drop what they already
+        have), and its prompt is prefilled again under a new name on the prefill
+        node, once that node has answered the prefill it still runs for the
+        room (that one may deliver to the new decode scheduler instead, or fail:
+        either way the new prefill follows). Re-bootstraps for the old
+        scheduler's rooms are aborted.
+        """
+        flights = list(self._flights.values())
+        for flight in flights:
+            room = flight.header["bootstrap_room"]
+            stale = [op for op, (h, _) in flight.prefill_ops.items() if h["bootstrap_room"] != room]
+            await self._abort_on_prefill([flight.prefill_ops[op][0]["rid"] for op in stale])
+            for op in stale:
+                del flight.prefill_ops[op]
+                self._by_prefill_op.pop(op, None)
+            flight.redrives += 1
+            flight.prefill_error = None
+            flight.current = None
+            await self._send_decode(flight)
+            if flight.prefill_ops:
+                flight.redrive_pending = True  # prefill again once they are answered
+            else:
+                await self._prefill_again(flight)
+        self.stats["redrives"] += len(flights)
+        log.warning("decode scheduler restarted: %d requests started over", len(flights))
+
+    async def _prefill_again(self, flight: Flight) -> None:
+        """The prompt once more, under a new name on the prefill node (its first token seeded)."""
+        flight.redrive_pending = False
+        sampling = dict(flight.header["sampling"])
+        sampling["seed"] = sampling.get("seed") or _seed_from_rid(flight.rid)
+        request = {
+            **flight.header,
+            "sampling": sampling,
+            "stream": False,
+            "rid": f"{flight.rid}:rd{flight.redrives}",
+            "bootstrap_rid": flight.rid,
+        }
+        await self._send_prefill(flight, request, flight.arrays, commit_mark=flight.seen)
+
+
+def _unpack(frames: list[bytes], peer: str) -> dict[str, Any] | None:
+    """A reply's header, or None for one damaged on the way (dropped, as if lost)."""
+    try:
+        return wire.unpack(frames)
+    except wire.ProtocolError as exc:
+        log.warning("dropped an undecodable reply from the %s node: %s", peer, exc.message)
+        return None
+
+
+def _fingerprint(msg: p.Generate) -> str:
+    """What makes two submissions of one rid the same request."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(msg.input_ids.tobytes() if msg.input_ids is not None else msg.text.encode())
+    digest.update(msg.sampling.model_dump_json().encode())
+    digest.update(repr(msg.priority).encode())
+    return digest.hexdigest()
 
 
 def _is_abort(header: dict) -> bool:

@@ -382,6 +382,7 @@ class SchedulerService:
             "retraction_policy": engine.config.retraction_policy,
             "schedule_conservativeness": engine.config.schedule_conservativeness,
             "mode": self.mode,
+            "pid": os.getpid(),  # a restarted scheduler answers with another (the PD router)
             "retract_mode": engine.config.retract_mode,
             "new_token_ratio": engine.ratio.current,
             "num_running": len(engine.running),

@@ -3,8 +3,12 @@
 A stack is a list of :class:`ProcessSpec` (command, address, ready file,
 which health check applies), built by :func:`build_process_list` for a mode:
 ``normal`` is memsvc + model_svc (the bundled tiny model by default) +
-scheduler_svc, wired over ``ipc://`` sockets in the run directory. A PD stack
-becomes one more process list there; everything else is shared.
+scheduler_svc, wired over ``ipc://`` sockets in the run directory; ``pd`` is a
+decode node and a prefill node (memsvc-d, memsvc-p, model_svc-d, model_svc-p,
+scheduler-d, scheduler-p, the two memsvc linked by a transfer socket) and the
+router in front. Every address is fixed by the run directory, so a restarted
+process comes back where its peers (the router, the other memsvc, the
+workers) reconnect by themselves; everything else is shared by the modes.
 
 :class:`Supervisor` runs such a list (``kvstack up`` uses it; tests, the fault
 harness and ``kvstack serve`` can too):
@@ -85,8 +89,12 @@ class ProcessSpec:
 class StackOptions:
     """What a stack is made of, beyond its mode.
 
-    ``via`` sends the scheduler's connection to ``memsvc`` or ``model_svc``
-    through another address (the fault tests put a proxy there).
+    ``via`` maps a process name to another address its clients connect to
+    instead (the fault tests put a proxy there): ``memsvc`` / ``model_svc``
+    for the scheduler's links in normal mode, ``scheduler-d`` /
+    ``scheduler-p`` for the router's in PD mode. ``memsvc_args`` and
+    ``scheduler_args`` go to both nodes in PD mode; the ``decode_*`` ones are
+    added on the decode node only (and win). ``env`` goes to the scheduler(s).
     """
 
     checkpoint: str | None = None
@@ -96,17 +104,29 @@ class StackOptions:
     via: dict[str, str] = field(default_factory=dict)
     log_level: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # PD mode
+    decode_memsvc_args: list[str] = field(default_factory=list)
+    decode_scheduler_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    transfer_backend: str = "auto"
+    transfer_timeout: float | None = None
+
+
+def ipc_path(run_dir: Path, name: str) -> Path:
+    """``RUN_DIR/NAME.sock``, refused if too long for an ``ipc://`` socket."""
+    socket_path = run_dir / f"{name}.sock"
+    if len(str(socket_path)) > MAX_IPC_PATH:
+        raise StackUnavailableError(
+            f"run dir {run_dir} is too long for an ipc:// socket path; choose a shorter --run-dir"
+        )
+    return socket_path
 
 
 def service_spec(
     run_dir: Path, name: str, module: str, args: list[str], *, kind: str | None = None, **kw: Any
 ) -> ProcessSpec:
     """``python -m module --listen ipc://RUN_DIR/NAME.sock --ready-file ... *args``."""
-    socket_path = run_dir / f"{name}.sock"
-    if len(str(socket_path)) > MAX_IPC_PATH:
-        raise StackUnavailableError(
-            f"run dir {run_dir} is too long for an ipc:// socket path; choose a shorter --run-dir"
-        )
+    socket_path = ipc_path(run_dir, name)
     ready = run_dir / f"{name}.ready"
     address = f"ipc://{socket_path}"
     command = (sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready))
@@ -160,12 +180,109 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     return [mem, model, scheduler]
 
 
+PD_NODES = (("d", "decode"), ("p", "prefill"))
+
+
+def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
+    """Both PD nodes and the router, in start order (the wiring of ``Launcher.start_pd_stack``).
+
+    memsvc-d, memsvc-p, model_svc-d, model_svc-p, scheduler-d, scheduler-p,
+    router: memory services first, then the workers, the schedulers (each
+    with a session file, so a restarted one ends its predecessor's memsvc
+    session at once, which also cancels that session's transfer rooms), and
+    the router last. Stopped in the reverse order.
+    """
+    from model_svc.tiny import default_checkpoint  # imports torch: only when building
+
+    logging_args = ["--log-level", options.log_level] if options.log_level else []
+    checkpoint = options.checkpoint or str(default_checkpoint())
+    transfer_sock = ipc_path(run_dir, "transfer")
+    transfer = ["--transfer-backend", options.transfer_backend]
+    if options.transfer_timeout is not None:
+        transfer += ["--transfer-timeout", str(options.transfer_timeout)]
+    peers = {
+        "d": ["--transfer-listen", f"ipc://{transfer_sock}"],
+        "p": ["--transfer-peer", f"ipc://{transfer_sock}"],
+    }
+    mems, models, schedulers = {}, {}, {}
+    for node, role in PD_NODES:
+        decode = node == "d"
+        pool = [*options.memsvc_args, *(options.decode_memsvc_args if decode else [])]
+        mems[node] = service_spec(
+            run_dir,
+            f"memsvc-{node}",
+            "memsvc",
+            [*TINY_MODEL_POOL, *pool, "--pd-role", role, *transfer, *peers[node], *logging_args],
+            kind="memsvc",
+            extra_files=(transfer_sock,) if decode else (),
+        )
+
+    def via(spec: ProcessSpec) -> str:
+        return options.via.get(spec.name, spec.address)
+
+    for node, _ in PD_NODES:
+        models[node] = service_spec(
+            run_dir,
+            f"model_svc-{node}",
+            "model_svc",
+            [
+                "--memsvc",
+                via(mems[node]),
+                "--checkpoint",
+                checkpoint,
+                "--threads",
+                "1",
+                *options.model_args,
+                *logging_args,
+            ],
+            kind="model_svc",
+        )
+    for node, role in PD_NODES:
+        session_file = run_dir / f"scheduler-{node}.session"
+        extra = options.decode_scheduler_args if node == "d" else []
+        schedulers[node] = service_spec(
+            run_dir,
+            f"scheduler-{node}",
+            "scheduler_svc",
+            [
+                "--mode",
+                role,
+                "--memsvc",
+                via(mems[node]),
+                "--worker",
+                via(models[node]),
+                "--memsvc-session-file",
+                str(session_file),
+                *options.scheduler_args,
+                *extra,
+                *logging_args,
+            ],
+            kind="scheduler_svc",
+            env=dict(options.env),
+            extra_files=(session_file,),
+        )
+    router = service_spec(
+        run_dir,
+        "router",
+        "scheduler_svc.router",
+        [
+            "--prefill",
+            via(schedulers["p"]),
+            "--decode",
+            via(schedulers["d"]),
+            *options.router_args,
+            *logging_args,
+        ],
+    )
+    return [*mems.values(), *models.values(), *schedulers.values(), router]
+
+
 def build_process_list(mode: str, run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     """The processes of a ``mode`` stack, in start order (the one place a mode is defined)."""
     if mode == "normal":
         return normal_stack(run_dir, options)
     if mode == "pd":
-        raise StackUnavailableError("PD stack not available yet (use --mode normal)")
+        return pd_stack(run_dir, options)
     raise StackUnavailableError(f"unknown stack mode {mode!r}")
 
 
@@ -203,11 +320,25 @@ def ping_scheduler(address: str, timeout_s: float) -> str:
     return f"running {info['num_running']}, waiting {info['num_waiting']}"
 
 
+def ping_router(address: str, timeout_s: float) -> str:
+    """The router's ``info``: it answers only with the decode node's (and says the prefill's)."""
+    from scheduler_svc.client import GenerateClient
+
+    with GenerateClient(address, timeout_s=timeout_s, resubmits=0) as client:
+        info = client.info()
+    if not info.get("ok"):
+        raise RuntimeError(f"{info.get('code')}: {info.get('message')}")
+    prefill = "answers" if info.get("prefill") else "SILENT"
+    flights = (info.get("router") or {}).get("flights", 0)
+    return f"decode running {info['num_running']}, prefill {prefill}, in flight {flights}"
+
+
 HealthCheck = Callable[[str, float], str]
 HEALTH_CHECKS: dict[str, HealthCheck] = {
     "memsvc": ping_memsvc,
     "model_svc": ping_model,
     "scheduler_svc": ping_scheduler,
+    "router": ping_router,
 }
 
 
@@ -628,7 +759,11 @@ def pid_alive(pid: int) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--mode", choices=["normal", "pd"], default="normal", help="which stack to run"
+        "--mode",
+        choices=["normal", "pd"],
+        default="normal",
+        help="normal: memsvc + model_svc + scheduler_svc; pd: a prefill node, a decode node "
+        "(each memsvc + model_svc + scheduler) and the router",
     )
     parser.add_argument(
         "--run-dir",
@@ -642,8 +777,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool = parser.add_argument_group("memsvc pool (must match the model)")
     for flag in ("--page-size", "--num-pages", "--max-running-requests", "--max-context-len"):
         pool.add_argument(flag, type=int, default=None, help=f"memsvc {flag}")
-    extra = parser.add_argument_group("more flags for one service (repeat for each)")
-    for name in ("memsvc", "model", "scheduler"):
+    pd = parser.add_argument_group("PD mode")
+    pd.add_argument(
+        "--transfer-backend",
+        choices=["auto", "nixl", "zmq"],
+        default="auto",
+        help="how the memsvc pair moves KV pages (memsvc --transfer-backend)",
+    )
+    pd.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=None,
+        help="seconds without a word from the peer memsvc before its transfers fail "
+        "(None: memsvc's own default)",
+    )
+    extra = parser.add_argument_group(
+        "more flags for one service (repeat for each; PD: memsvc and scheduler flags go to both "
+        "nodes)"
+    )
+    for name in ("memsvc", "model", "scheduler", "router"):
         extra.add_argument(
             f"--{name}-arg",
             action="append",
@@ -686,6 +838,9 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         memsvc_args=[*pool, *args.memsvc_arg],
         model_args=list(args.model_arg),
         scheduler_args=list(args.scheduler_arg),
+        router_args=list(args.router_arg),
+        transfer_backend=args.transfer_backend,
+        transfer_timeout=args.transfer_timeout,
     )
 
 

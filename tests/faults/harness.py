@@ -1,4 +1,4 @@
-"""Seeded fault scenarios against a supervised normal-mode stack under KV pressure.
+"""Seeded fault scenarios against a supervised stack (normal or PD mode) under KV pressure.
 
 :class:`FaultHarness` starts one stack under :class:`Supervisor` (memsvc +
 model_svc + scheduler_svc, a 256-token pool and a low schedule
@@ -19,10 +19,28 @@ one fault at a seeded point (after a number of streamed tokens):
                              on every link for a while
 ==========================  ===================================================
 
+With ``mode="pd"`` the stack is the PD one (``pd_stack``: both nodes and the
+router; the decode node has the 256-token pool and retracts to its host store,
+the prefill node twice that), clients talk to the router, and the one proxy
+sits between the router and the decode scheduler. The last four short jobs are
+submitted only once the others have streamed 20 tokens, so that a fault on the
+prefill node (done with the first wave early) meets prefill work. Its
+scenarios (:data:`PD_KINDS`):
+
+==========================  ===================================================
+``kill_<process>``           SIGKILL any of the seven (``kill_memsvc-p``,
+                             ``kill_memsvc-d``, ``kill_scheduler-p``, ...)
+``stall``                    SIGSTOP the prefill scheduler, memsvc-d or
+                             model_svc-d past the timeouts, then SIGCONT
+``wire``                     damage messages between the router and the decode
+                             scheduler
+==========================  ===================================================
+
 After each scenario it checks: every request finished with the reference
 tokens (and its stream delivered each token once, in order) or ended with an
 explicit error; none was lost (the harness deadline is the only way to be
-lost); the stack is healthy again; memsvc passes its idle invariant with no
+lost); the stack is healthy again and idle (in PD: both schedulers' queues and
+the router's flights empty); every memsvc passes its idle invariant with no
 page held and no host-store byte used; no process the supervisor started is
 left over besides the live ones, and no shared-memory segment of a dead one.
 """
@@ -46,7 +64,13 @@ from typing import Any
 from memsvc.client import MemClient
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
-from scheduler_svc.supervisor import RestartPolicy, StackOptions, Supervisor, normal_stack
+from scheduler_svc.supervisor import (
+    RestartPolicy,
+    StackOptions,
+    Supervisor,
+    normal_stack,
+    pd_stack,
+)
 from tests.faults.proxy import FaultPlan, FaultProxy
 
 PAGE_SIZE = 4
@@ -98,6 +122,36 @@ KINDS = (
     "wire",
 )
 SERVICES = ("memsvc", "model_svc", "scheduler_svc")
+
+# PD mode: the prefill node's pool is twice the decode node's, which has the pressure.
+PD_POOL = [*POOL[:2], "--num-pages", str(2 * NUM_PAGES), *POOL[4:]]
+PD_DECODE_POOL = ["--num-pages", str(NUM_PAGES)]
+PD_DECODE_SCHEDULER = ["--num-reserved-decode-tokens", "8"]
+PD_LATE_JOBS, PD_LATE_AFTER_TOKENS = 4, 20
+PREFILL_TIMEOUT_S = 8.0  # the router fails what waits on a silent prefill scheduler
+TRANSFER_TIMEOUT_S = 8.0
+PD_SERVICES = (
+    "memsvc-d",
+    "memsvc-p",
+    "model_svc-d",
+    "model_svc-p",
+    "scheduler-d",
+    "scheduler-p",
+    "router",
+)
+PD_KINDS = (*(f"kill_{name}" for name in PD_SERVICES), "stall", "wire")
+PD_STALL_TARGETS = ("scheduler-p", "memsvc-d", "model_svc-d")
+STALL_S.update(
+    {
+        "scheduler-p": CLIENT_TIMEOUT_S + 2,
+        "scheduler-d": CLIENT_TIMEOUT_S + 2,
+        "router": CLIENT_TIMEOUT_S + 2,
+        "memsvc-d": STALL_S["memsvc"],
+        "memsvc-p": STALL_S["memsvc"],
+        "model_svc-d": STALL_S["model_svc"],
+        "model_svc-p": STALL_S["model_svc"],
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -208,33 +262,91 @@ class Totals:
 
 
 class _Progress:
-    """Streamed tokens so far, and an event once a threshold is passed."""
+    """Streamed tokens so far, and events once the fault's threshold and the late start pass."""
 
-    def __init__(self, threshold: int) -> None:
+    def __init__(self, threshold: int, late_after: int = 0) -> None:
         self.tokens = 0
         self.threshold = threshold
+        self.late_after = late_after
         self.reached = asyncio.Event()
+        self.late = asyncio.Event()
+        if late_after <= 0:
+            self.late.set()
 
     def add(self, count: int) -> None:
         self.tokens += count
         if self.tokens >= self.threshold:
             self.reached.set()
+        if self.tokens >= self.late_after:
+            self.late.set()
 
 
 class FaultHarness:
-    """``with FaultHarness(dir, seed) as h: h.run(h.scenario(0, "kill_memsvc"))``."""
+    """``with FaultHarness(dir, seed) as h: h.run(h.scenario(0, "kill_memsvc"))``.
+
+    ``mode``: ``normal`` or ``pd`` (see the module docstring).
+    """
 
     def __init__(
-        self, workdir: str | os.PathLike, seed: int, *, checkpoint: str | None = None
+        self,
+        workdir: str | os.PathLike,
+        seed: int,
+        *,
+        checkpoint: str | None = None,
+        mode: str = "normal",
     ) -> None:
         self.workdir = Path(workdir)
         self.seed = seed
+        self.mode = mode
         self.rng = random.Random(seed)
         self.jobs = workload(seed)
         self.reference: dict[str, list[int]] = {}
         self._stack = contextlib.ExitStack()
         run_dir = self.workdir / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._retract_trap = threading.Event()  # armed: kill memsvc when a retract passes
+        self.retract_kills = 0
+        self.leftovers: list[str] = []  # what stopping the stack found left behind
+        # Jobs submitted only once the others streamed late_after tokens (PD: so that a
+        # fault on the prefill node, which is done with the first wave early, meets work).
+        self.late: set[str] = set()
+        self.late_after = 0
+        policy = RestartPolicy(initial_s=0.2, max_s=3.0, stable_s=5.0, ready_timeout_s=180.0)
+        if mode == "pd":
+            self.late = {job.name for job in self.jobs[-PD_LATE_JOBS:]}
+            self.late_after = PD_LATE_AFTER_TOKENS
+            self.kinds, self.services, self.stall_targets = PD_KINDS, PD_SERVICES, PD_STALL_TARGETS
+            self.proxies = {
+                "decode": FaultProxy(
+                    f"ipc://{run_dir}/via-decode.sock",
+                    f"ipc://{run_dir}/scheduler-d.sock",
+                    seed=seed * 3 + 1,
+                    name="proxy-decode",
+                )
+            }
+            options = StackOptions(
+                checkpoint=checkpoint,
+                memsvc_args=PD_POOL,
+                decode_memsvc_args=PD_DECODE_POOL,
+                scheduler_args=SCHEDULER,
+                decode_scheduler_args=PD_DECODE_SCHEDULER,
+                router_args=["--prefill-timeout", str(PREFILL_TIMEOUT_S)],
+                env=SCHEDULER_ENV,
+                via={"scheduler-d": self.proxies["decode"].front},
+                transfer_backend="zmq",
+                transfer_timeout=TRANSFER_TIMEOUT_S,
+            )
+            specs = pd_stack(run_dir, options)
+            self.supervisor = Supervisor(
+                specs,
+                run_dir,
+                mode="pd",
+                policy=policy,
+                health_interval_s=2.0,
+                health_timeout_s=5.0,
+            )
+            return
+        self.kinds, self.services, self.stall_targets = KINDS, SERVICES, SERVICES
         self.proxies = {
             "memsvc": FaultProxy(
                 f"ipc://{run_dir}/via-memsvc.sock",
@@ -266,13 +378,10 @@ class FaultHarness:
         self.supervisor = Supervisor(
             normal_stack(run_dir, options),
             run_dir,
-            policy=RestartPolicy(initial_s=0.2, max_s=3.0, stable_s=5.0, ready_timeout_s=180.0),
+            policy=policy,
             health_interval_s=2.0,
             health_timeout_s=5.0,
         )
-        self._retract_trap = threading.Event()  # armed: kill memsvc when a retract passes
-        self.retract_kills = 0
-        self.leftovers: list[str] = []  # what stopping the stack found left behind
 
     # -- life ----------------------------------------------------------------------
 
@@ -299,10 +408,21 @@ class FaultHarness:
 
     @property
     def scheduler(self) -> str:
-        return self.supervisor.address("scheduler_svc")
+        """Where clients send requests: the scheduler, or in PD mode the router."""
+        return self.supervisor.address("router" if self.mode == "pd" else "scheduler_svc")
+
+    def info(self) -> dict[str, Any]:
+        """The front's ``info`` (in PD mode the router's: the decode node's, and the prefill's)."""
+        with GenerateClient(self.scheduler, timeout_s=10, resubmits=0) as client:
+            return client.info()
+
+    @property
+    def memsvcs(self) -> list[str]:
+        return ["memsvc-d", "memsvc-p"] if self.mode == "pd" else ["memsvc"]
 
     def _reference(self) -> dict[str, list[int]]:
-        streams = asyncio.run(self._drive(self.scheduler, "ref", _Progress(1 << 30), None))
+        progress = _Progress(1 << 30, self.late_after)
+        streams = asyncio.run(self._drive(self.scheduler, "ref", progress, None))
         failed = {name: s for name, s in streams.items() if s.status != "identical"}
         if failed:
             raise RuntimeError(f"the fault-free run failed: {failed}")
@@ -310,26 +430,36 @@ class FaultHarness:
 
     # -- scenarios -------------------------------------------------------------------
 
-    def scenario(self, index: int, kind: str | None = None, target: str | None = None) -> Scenario:
-        """A seeded scenario: ``kind`` and ``target`` drawn when not given."""
-        kind = kind or self.rng.choice(KINDS)
+    def scenario(
+        self,
+        index: int,
+        kind: str | None = None,
+        target: str | None = None,
+        trigger: int | None = None,
+    ) -> Scenario:
+        """A seeded scenario: ``kind``, ``target`` and ``trigger`` drawn when not given."""
+        kind = kind or self.rng.choice(self.kinds)
         if target is None and kind == "stall":
-            target = self.rng.choice(SERVICES)
+            target = self.rng.choice(self.stall_targets)
         elif kind.startswith("kill_"):
             target = "memsvc" if kind == "kill_memsvc_in_retract" else kind[len("kill_") :]
         total = sum(job.max_new for job in self.jobs)
-        # wire faults start early: they need traffic left to damage
-        latest = 40 if kind == "wire" else total // 3
-        return Scenario(index, kind, target, self.rng.randint(5, latest))
+        latest = total // 3
+        if kind == "wire":
+            latest = 40  # wire faults start early: they need traffic left to damage
+        elif target is not None and target.endswith("-p"):
+            latest = 30  # the prefill node is busy only while the decode node catches up
+        drawn = self.rng.randint(5, latest)
+        return Scenario(index, kind, target, drawn if trigger is None else trigger)
 
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Run the workload with ``scenario``'s fault, then check the stack."""
         started = time.monotonic()
-        restarts_before = {name: self.supervisor[name].restarts for name in SERVICES}
+        restarts_before = {name: self.supervisor[name].restarts for name in self.services}
         faults: Counter = Counter()
-        via_proxy = scenario.kind == "wire"
+        via_proxy = scenario.kind == "wire" and "client" in self.proxies
         address = self.proxies["client"].front if via_proxy else self.scheduler
-        progress = _Progress(scenario.trigger_tokens)
+        progress = _Progress(scenario.trigger_tokens, self.late_after)
         outcomes = asyncio.run(
             self._drive(address, f"s{scenario.index}", progress, (scenario, faults))
         )
@@ -337,7 +467,7 @@ class FaultHarness:
         for name, outcome in outcomes.items():
             result.outcomes.append(self._judge(name, outcome))
         self._settle(result)
-        restarts = {n: self.supervisor[n].restarts - restarts_before[n] for n in SERVICES}
+        restarts = {n: self.supervisor[n].restarts - restarts_before[n] for n in self.services}
         if scenario.kind.startswith("kill_") and faults and restarts[scenario.target] < 1:
             result.problems.append(f"{scenario.target} was killed but not restarted: {restarts}")
         result.seconds = time.monotonic() - started
@@ -359,14 +489,14 @@ class FaultHarness:
                 )
                 for job in self.jobs
             }
-            injector = None
+            helpers = [asyncio.create_task(self._release_late(tasks, progress))]
             if fault is not None:
-                injector = asyncio.create_task(self._inject(*fault, progress))
+                helpers.append(asyncio.create_task(self._inject(*fault, progress)))
             done, _ = await asyncio.wait(tasks.values(), timeout=SCENARIO_DEADLINE_S)
-            if injector is not None:
-                injector.cancel()
+            for helper in helpers:
+                helper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await injector
+                    await helper
             streams = {}
             for name, task in tasks.items():
                 if task in done:
@@ -376,11 +506,19 @@ class FaultHarness:
                     streams[name] = _Stream("lost", [], "no result by the harness deadline")
             return streams
 
+    async def _release_late(self, tasks: dict[str, asyncio.Task], progress: _Progress) -> None:
+        """The late jobs start at ``late_after`` tokens, or once the others all ended."""
+        first = [task for name, task in tasks.items() if name not in self.late]
+        await asyncio.wait(first)
+        progress.late.set()
+
     async def _one(
         self, client: AsyncGenerateClient, job: Job, rid: str, progress: _Progress
     ) -> _Stream:
         got: list[int] = []
         sampling = {"max_new_tokens": job.max_new}
+        if job.name in self.late:
+            await progress.late.wait()
         try:
             async for item in client.stream(job.prompt, rid=rid, sampling=sampling):
                 if isinstance(item, Chunk):
@@ -499,20 +637,26 @@ class FaultHarness:
         result.problems += self._leftovers()
 
     def _idle_problem(self) -> tuple[str | None, dict[str, Any]]:
+        """What is not idle (None: all is), and the memsvc stats (summed over the memsvcs)."""
         try:
             with GenerateClient(self.scheduler, timeout_s=10, resubmits=0) as client:
                 info = client.info()
-            if info["num_running"] or info["num_waiting"]:
-                return f"scheduler not idle: {info}", {}
-            with MemClient(self.supervisor.address("memsvc"), timeout_s=5) as mem:
-                stats = mem.stats()
-                try:
-                    mem.check(idle=True)
-                except Exception as exc:  # the invariant's own message says what is wrong
-                    return f"memsvc idle check failed: {exc}; stats {stats}", stats
-                if stats["host_store_used_bytes"] or stats["held"]:
-                    return f"memsvc holds KV when idle: {stats}", stats
-            return None, stats
+            busy = _busy(info)
+            if busy:
+                return f"not idle: {busy}", {}
+            total: Counter = Counter()
+            for name in self.memsvcs:
+                with MemClient(self.supervisor.address(name), timeout_s=5) as mem:
+                    stats = mem.stats()
+                    held = {k: int(stats[k]) for k in ("held", "host_store_used_bytes")}
+                    total.update(held)
+                    try:
+                        mem.check(idle=True)
+                    except Exception as exc:  # the invariant's own message says what is wrong
+                        return f"{name} idle check failed: {exc}; stats {stats}", total
+                    if any(held.values()):
+                        return f"{name} holds KV when idle: {stats}", total
+            return None, total
         except Exception as exc:  # a service that does not answer the check
             return f"idle check failed: {type(exc).__name__}: {exc}", {}
 
@@ -527,6 +671,22 @@ class FaultHarness:
         if segments:
             problems.append(f"segments of dead processes: {segments}")
         return problems
+
+
+def _busy(info: dict[str, Any]) -> dict[str, Any]:
+    """The non-empty queues of a scheduler's (or the PD router's) ``info``."""
+    if not info.get("ok", True):
+        return {"info": info.get("message")}
+    busy = {k: info[k] for k in ("num_running", "num_waiting") if info.get(k)}
+    busy.update({k: n for k, n in (info.get("queues") or {}).items() if n})
+    if info.get("mode") == "pd":
+        prefill = info.get("prefill") or {}
+        if not prefill:
+            busy["prefill"] = "does not answer"
+        busy.update({f"prefill {k}": n for k, n in (prefill.get("queues") or {}).items() if n})
+        if info["router"].get("flights"):
+            busy["router flights"] = info["router"]["flights"]
+    return busy
 
 
 @dataclass

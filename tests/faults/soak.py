@@ -1,6 +1,7 @@
-"""``python -m tests.faults.soak --scenarios N --seed S``: many seeded fault scenarios.
+"""``python -m tests.faults.soak --scenarios N --seed S [--mode pd]``: many seeded fault scenarios.
 
-One supervised stack, N scenarios of random kinds (see :mod:`tests.faults.harness`),
+One supervised stack (normal mode, or with ``--mode pd`` the PD stack: both
+nodes and the router), N scenarios of random kinds (see :mod:`tests.faults.harness`),
 one line per scenario, and on the last line one JSON object: scenarios run,
 faults injected by kind, requests accepted, completed identical, ended with
 an error, mismatched and lost (both must be 0), pages leaked and host-store
@@ -16,7 +17,7 @@ import shutil
 import sys
 import time
 
-from tests.faults.harness import KINDS, FaultHarness, Totals, temp_workdir
+from tests.faults.harness import KINDS, PD_KINDS, FaultHarness, Totals, temp_workdir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,15 +25,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", type=int, default=10, help="how many scenarios to run")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the faults")
     parser.add_argument(
-        "--kinds", nargs="+", choices=KINDS, default=None, help="draw only these scenario kinds"
+        "--mode", choices=["normal", "pd"], default="normal", help="which stack to run"
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=sorted(set(KINDS) | set(PD_KINDS)),
+        default=None,
+        help="draw only these scenario kinds (of the mode's)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
+    allowed = PD_KINDS if args.mode == "pd" else KINDS
+    if args.kinds and not set(args.kinds) <= set(allowed):
+        parser.error(f"--mode {args.mode} has the kinds {', '.join(allowed)}")
     workdir = temp_workdir()
     totals = Totals()
     started = time.monotonic()
     try:
-        with FaultHarness(workdir, args.seed) as harness:
+        with FaultHarness(workdir, args.seed, mode=args.mode) as harness:
             for index in range(args.scenarios):
                 kind = harness.rng.choice(args.kinds) if args.kinds else None
                 result = harness.run(harness.scenario(index, kind))
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     seconds = round(time.monotonic() - started, 1)
-    summary = {"seed": args.seed, **totals.as_dict(), "seconds": seconds}
+    summary = {"mode": args.mode, "seed": args.seed, **totals.as_dict(), "seconds": seconds}
     print(json.dumps(summary), flush=True)
     bad = totals.lost or totals.mismatched or totals.pages_leaked or totals.host_bytes_left
     return 1 if bad or totals.problems else 0

@@ -1,10 +1,12 @@
-"""Fault injection against a supervised normal-mode stack: one scenario per fault kind.
+"""Fault injection against supervised stacks: normal mode, one scenario per fault kind,
+and PD mode, three scenarios.
 
-One stack serves every scenario (a fault must not break the next one
+One stack per mode serves its scenarios (a fault must not break the next one
 either); each scenario runs the pressure workload (retracts included) and
 injects its fault at a seeded point, then the harness checks tokens against
-the fault-free reference, the idle invariant, leaks and leftovers. The
-longer, random mix is ``python -m tests.faults.soak``.
+the fault-free reference, the idle invariant (of both memsvc in PD mode),
+leaks and leftovers. The longer, random mix is ``python -m tests.faults.soak``
+(``--mode pd`` for the PD stack).
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ SEED = 7
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.fixture(scope="module")
-def harness() -> Iterator[FaultHarness]:
+def _harness(mode: str) -> Iterator[FaultHarness]:
     workdir = temp_workdir()
     try:
-        with FaultHarness(workdir, SEED) as running:
+        with FaultHarness(workdir, SEED, mode=mode) as running:
             yield running
         assert not running.leftovers, running.leftovers
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[FaultHarness]:
+    yield from _harness("normal")
+
+
+@pytest.fixture(scope="module")
+def pd_harness() -> Iterator[FaultHarness]:
+    yield from _harness("pd")
 
 
 def check(result: ScenarioResult, fault: str | None) -> None:
@@ -77,5 +88,37 @@ def test_scheduler_stalled_past_its_lease(harness: FaultHarness) -> None:
 
 def test_damaged_messages_on_every_link(harness: FaultHarness) -> None:
     result = harness.run(harness.scenario(5, "wire"))
+    assert sum(result.faults.values()) >= 10, f"too few faults injected: {dict(result.faults)}"
+    check(result, None)
+
+
+# -- PD mode: prefill node, decode node, router ------------------------------------------
+
+
+def test_pd_decode_memsvc_killed(pd_harness: FaultHarness) -> None:
+    """memsvc-D comes back empty: the decode node re-bootstraps every request that held KV
+    there (running, retracted to its host store, awaiting a transfer) through the prefill
+    node; tokens do not change."""
+    before = pd_harness.info()["stats"]["rebootstraps"]
+    result = pd_harness.run(pd_harness.scenario(1, "kill_memsvc-d", trigger=60))
+    check(result, "sigkill_memsvc-d")
+    assert pd_harness.info()["stats"]["rebootstraps"] > before
+
+
+def test_pd_prefill_scheduler_stalled(pd_harness: FaultHarness) -> None:
+    """The decode node keeps decoding what it has (memsvc-P still sends the KV prefilled
+    before the stall); the late requests that need a prefill fail after the router's
+    --prefill-timeout, naming it; the prefill scheduler recovers its expired session."""
+    resets = pd_harness.info()["prefill"]["recovery"]["memsvc_resets"]
+    result = pd_harness.run(pd_harness.scenario(2, "stall", "scheduler-p", trigger=8))
+    check(result, "stall_scheduler-p")
+    assert pd_harness.info()["prefill"]["recovery"]["memsvc_resets"] > resets  # lease expired
+    for outcome in result.outcomes:
+        if outcome.status == "error":
+            assert "prefill" in outcome.detail, outcome.detail
+
+
+def test_pd_damaged_messages_between_router_and_decode(pd_harness: FaultHarness) -> None:
+    result = pd_harness.run(pd_harness.scenario(3, "wire"))
     assert sum(result.faults.values()) >= 10, f"too few faults injected: {dict(result.faults)}"
     check(result, None)

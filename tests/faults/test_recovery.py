@@ -21,6 +21,7 @@ from memsvc.sessions import NotOwnerError
 from model_svc.client import ForwardError
 from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.pd import DecodeEngine, PrefillEngine
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
 from tests.helpers import small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
@@ -213,3 +214,97 @@ def test_a_fault_it_cannot_repair_is_reported(services) -> None:
             await rig.recovery.recover(ForwardError("invalid_batch", "invalid_batch: bad rows"))
 
     asyncio.run(scenario())
+
+
+# -- PD engines: what losing the KV means for their queues -------------------------------
+
+
+class _NoMem:
+    """Enough of a memsvc client to build a PD engine; the recovery hooks make no calls."""
+
+    layout = None
+
+
+def _pd_engine(cls):
+    done: list[Req] = []
+    engine = cls(
+        SchedulerConfig(page_size=PAGE, max_running_requests=16),
+        _NoMem(),
+        None,
+        lambda req, finished: done.append(req) if finished else None,
+    )
+    rebootstraps: list[tuple[str, int, list[int]]] = []
+    engine.on_rebootstrap = lambda req, room, ids: rebootstraps.append((req.rid, room, ids))
+    return engine, done, rebootstraps
+
+
+def _pd_req(engine, rid: str, prompt: list[int], room: int, max_new: int = 10) -> Req:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    req = Req(rid, prompt, params, bootstrap_room=room)
+    engine.reqs[rid] = req
+    return req
+
+
+def test_decode_engine_rebootstraps_every_kv_holder() -> None:
+    """memsvc-D lost the KV: running, host-retracted, awaiting-transfer requests and the
+    head of the preallocation queue go back through the prefill node under fresh rooms."""
+    engine, done, rebootstraps = _pd_engine(DecodeEngine)
+    running = _pd_req(engine, "run", [1, 2, 3], 1)
+    running.commit_transfer(0, 7)
+    running.append_token(8)
+    engine.running.append(running)
+    parked = _pd_req(engine, "parked", [4, 5], 2)
+    parked.commit_transfer(1, 9)
+    parked.reset_for_retract()
+    parked.host_copy = True
+    engine.retracted.append(parked)
+    moving = _pd_req(engine, "moving", [6, 6, 6], 3)
+    engine.transfer[3] = moving
+    engine._rows["moving"] = 2
+    head, tail = _pd_req(engine, "head", [1], 4), _pd_req(engine, "tail", [2], 5)
+    engine.prealloc.extend([head, tail])
+    finished = _pd_req(engine, "finished", [3], 6, max_new=1)
+    finished.commit_transfer(3, 1)
+    assert finished.check_finished()  # finished in the failed step, not reported yet
+
+    lost = engine.requeue_kv_holders("EpochChangedError: test")
+
+    assert [r.rid for r in lost] == ["run", "parked", "moving", "head"]
+    assert [r.rid for r in engine.prealloc] == ["run", "parked", "moving", "head", "tail"]
+    assert not (engine.running or engine.retracted or engine.transfer or engine._rows)
+    assert [r.rid for r in done] == ["finished"] and "finished" not in engine.reqs
+    by_rid = {rid: (room, ids) for rid, room, ids in rebootstraps}
+    assert by_rid["run"][1] == [1, 2, 3, 7]  # all but the last token: resumed, not committed
+    assert by_rid["parked"][1] == [4, 5]
+    assert by_rid["moving"][1] == [6, 6, 6] and by_rid["head"][1] == [1]  # prompt only
+    assert running.is_retracted and not parked.host_copy and tail.bootstrap_room == 5
+    rooms = [room for room, _ in by_rid.values()]
+    assert len(set(rooms)) == 4 and all(room >= 1 << 62 for room in rooms)
+    assert all(by_rid[r.rid][0] == r.bootstrap_room for r in lost)
+    assert engine.stats.rebootstraps == 4
+
+
+def test_prefill_engine_prefills_every_kv_holder_again() -> None:
+    """memsvc-P lost the KV: a request being sent starts over (same rid, same room), a
+    half-prefilled one is re-prefilled, both ahead of the requests that never started."""
+    engine, done, _ = _pd_engine(PrefillEngine)
+    sending = _pd_req(engine, "sending", [1, 2, 3], 11)
+    sending.start_prefill(0, 0, 3)
+    sending.complete_extend()
+    sending.append_token(5)
+    engine.inflight[11] = sending
+    chunk = _pd_req(engine, "chunk", [4] * 8, 12)
+    chunk.start_prefill(1, 0, 4)
+    engine.chunked = chunk
+    waiting = _pd_req(engine, "waiting", [7], 13)
+    engine.waiting.append(waiting)
+
+    requeued = engine.requeue_kv_holders("PeerDeadError: test")
+
+    assert [r.rid for r in requeued] == ["sending", "chunk"]
+    assert [r.rid for r in engine.waiting] == ["sending", "chunk", "waiting"]
+    fresh = engine.reqs["sending"]
+    assert fresh is not sending and fresh.state is ReqState.WAITING and not fresh.output_ids
+    assert fresh.bootstrap_room == 11 and fresh.fill_ids == [1, 2, 3]
+    assert chunk.is_retracted and engine.chunked is None and not engine.inflight
+    assert not done

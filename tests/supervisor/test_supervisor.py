@@ -209,13 +209,85 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     assert kvstack("status", "--run-dir", str(run_dir)).returncode == 1  # nothing runs
 
 
-def test_pd_mode_fails_clearly(up, run_dir: Path) -> None:
-    stack = up("--mode", "pd")
-    assert stack.proc.wait(120) == 2
-    assert "PD stack not available yet" in stack.output()
-    assert not (run_dir / STATE_FILE).exists()  # nothing was started
-    with pytest.raises(StackUnavailableError, match="PD stack not available yet"):
-        build_process_list("pd", run_dir, StackOptions())
+PD_NAMES = [
+    "memsvc-d",
+    "memsvc-p",
+    "model_svc-d",
+    "model_svc-p",
+    "scheduler-d",
+    "scheduler-p",
+    "router",
+]
+
+
+def test_pd_process_list_is_wired(run_dir: Path) -> None:
+    specs = {s.name: s for s in build_process_list("pd", run_dir, StackOptions())}
+    assert list(specs) == PD_NAMES
+
+    def arg(name: str, flag: str) -> str:
+        command = specs[name].command
+        return command[command.index(flag) + 1]
+
+    assert arg("memsvc-p", "--transfer-peer") == arg("memsvc-d", "--transfer-listen")
+    for node, role in (("d", "decode"), ("p", "prefill")):
+        assert arg(f"memsvc-{node}", "--pd-role") == role
+        assert arg(f"model_svc-{node}", "--memsvc") == specs[f"memsvc-{node}"].address
+        assert arg(f"scheduler-{node}", "--mode") == role
+        assert arg(f"scheduler-{node}", "--memsvc") == specs[f"memsvc-{node}"].address
+        assert arg(f"scheduler-{node}", "--worker") == specs[f"model_svc-{node}"].address
+        assert arg(f"scheduler-{node}", "--memsvc-session-file")
+    assert arg("router", "--prefill") == specs["scheduler-p"].address
+    assert arg("router", "--decode") == specs["scheduler-d"].address
+    assert specs["router"].kind == "router"
+    with pytest.raises(StackUnavailableError, match="unknown stack mode"):
+        build_process_list("both", run_dir, StackOptions())
+
+
+def test_pd_up_status_restart_and_stop(up, run_dir: Path) -> None:
+    stack = up(
+        "--mode",
+        "pd",
+        *POOL,
+        "--transfer-backend",
+        "zmq",
+        "--scheduler-arg=--num-reserved-decode-tokens=8",
+        "--backoff-initial",
+        "0.2",
+        "--health-interval",
+        "1",
+    )
+    state = wait_for(stack.healthy, 300, f"a healthy PD stack:\n{stack.output()}")
+    assert [p["name"] for p in state["processes"]] == PD_NAMES
+    router = state["processes"][-1]["address"]
+    assert router == f"ipc://{run_dir}/router.sock"
+    status = kvstack("status", "--run-dir", str(run_dir))
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "mode pd" in status.stdout and status.stdout.strip().endswith("healthy")
+    for name in PD_NAMES:
+        assert name in status.stdout
+    want = generate(router)
+
+    # the prefill scheduler dies: it comes back at the same address, the router
+    # reconnects (and notices the new process), and the same request gives the same tokens
+    old = stack.pid("scheduler-p")
+    os.kill(old, signal.SIGKILL)
+    wait_for(
+        lambda: (s := stack.healthy()) and s["processes"][5]["restarts"] == 1,
+        180,
+        f"scheduler-p restarted:\n{stack.output()}",
+    )
+    assert stack.pid("scheduler-p") != old
+    assert "scheduler-p exited with code -9; restarting in 0.2s (restart #1)" in stack.output()
+    assert generate(router) == want
+
+    pids = set(stack.pids) | {old}
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(120) == 0, stack.output()
+    assert not [pid for pid in pids if alive(pid)]
+    assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
+    assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
+    assert not list(run_dir.glob("*.session"))
+    assert read_state(run_dir)["status"] == "stopped"
 
 
 def test_status_without_a_stack(run_dir: Path) -> None:
