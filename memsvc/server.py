@@ -16,10 +16,10 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 
@@ -74,6 +74,50 @@ def metrics_host(args) -> str:
     host = args.metrics_host
     check_listen_address(f"tcp://{host}:0", allow_remote=args.allow_remote)
     return host
+
+
+async def serve_tasks(
+    coros: list[Coroutine[Any, Any, Any]], stop: asyncio.Event, announce: Callable[[], None]
+) -> None:
+    """Run ``coros`` as tasks until SIGTERM / SIGINT (which set ``stop``) or one of them fails.
+
+    ``announce`` runs once they are started (the ready file, the address on
+    stdout). However it ends, every task is cancelled and awaited and the
+    signal handlers are removed; a task's exception is raised.
+    """
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        tasks = [asyncio.create_task(coro) for coro in coros]
+        announce()
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        for task in done:
+            if task is not waiter and task.exception():
+                raise task.exception()
+    finally:
+        for coro in coros[len(tasks) :]:
+            coro.close()  # never started
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def remove_endpoint(listen: str, ready_file: str | None) -> None:
+    """Unlink an ``ipc://`` socket path and a ready file left by a stopped service."""
+    if listen.startswith("ipc://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(listen[len("ipc://") :])
+    if ready_file:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ready_file)
 
 
 class Extension(Protocol):
@@ -169,12 +213,7 @@ class ServiceShell:
             self.request_stop()
             await asyncio.to_thread(thread.join)
             self._ctx.term()
-            if self.listen.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.listen[len("ipc://") :])
-            if self.ready_file:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.ready_file)
+            remove_endpoint(self.listen, self.ready_file)
             log.info("%s stopped", self.name)
 
     def _serve_thread(self, on_started, on_finished) -> None:

@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +48,12 @@ import zmq.asyncio
 
 from memsvc import protocol as wire
 from memsvc.cli import add_service_args, setup_logging, write_ready_file
-from memsvc.server import check_listen_address, default_listen_address
+from memsvc.server import (
+    check_listen_address,
+    default_listen_address,
+    remove_endpoint,
+    serve_tasks,
+)
 from scheduler_svc import protocol as p
 from scheduler_svc.engine import _seed_from_rid
 
@@ -121,48 +123,30 @@ class Router:
         self.front = ctx.socket(zmq.ROUTER)
         self.decode = ctx.socket(zmq.DEALER)
         self.prefill = ctx.socket(zmq.DEALER)
-        loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Task] = []
+
+        def announce() -> None:
+            write_ready_file(ready_file, self.listen)
+            print(f"router listening on {self.listen}", flush=True)
+
         try:
             for sock in (self.front, self.decode, self.prefill):
                 sock.setsockopt(zmq.LINGER, 0)
             self.front.bind(self.listen)
             self.decode.connect(self.decode_address)
             self.prefill.connect(self.prefill_address)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
-            tasks = [
-                asyncio.create_task(self._from_clients()),
-                asyncio.create_task(self._from_decode()),
-                asyncio.create_task(self._from_prefill()),
-                asyncio.create_task(self._watch_prefill()),
-                asyncio.create_task(self._watch_decode()),
+            loops = [
+                self._from_clients(),
+                self._from_decode(),
+                self._from_prefill(),
+                self._watch_prefill(),
+                self._watch_decode(),
             ]
-            write_ready_file(ready_file, self.listen)
-            print(f"router listening on {self.listen}", flush=True)
-            stop = asyncio.create_task(self._stop.wait())
-            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            for task in done:
-                if task is not stop and task.exception():
-                    raise task.exception()
+            await serve_tasks(loops, self._stop, announce)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
             for sock in (self.front, self.decode, self.prefill):
                 sock.close(0)
             ctx.term()
-            if self.listen.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.listen[len("ipc://") :])
-            if ready_file:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(ready_file)
+            remove_endpoint(self.listen, ready_file)
 
     # -- clients -----------------------------------------------------------------------
 

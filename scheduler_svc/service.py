@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import signal
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from memsvc import protocol as wire
 from memsvc.cli import write_ready_file
 from memsvc.client import PeerDeadError
 from memsvc.core.errors import MemsvcError
+from memsvc.server import remove_endpoint, serve_tasks
 from model_svc.errors import ModelSvcError
 from scheduler_svc import protocol as p
 from scheduler_svc.core import (
@@ -108,41 +108,20 @@ class SchedulerService:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Task] = []
-        try:
-            sock.bind(self.listen)
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._stop.set)
-            tasks = [
-                asyncio.create_task(self._intake(sock), name="scheduler-intake"),
-                asyncio.create_task(self._send(sock), name="scheduler-send"),
-                asyncio.create_task(self._loop(), name="scheduler-loop"),
-            ]
+
+        def announce() -> None:
             write_ready_file(self.ready_file, self.listen, **self.ready_info)
             print(f"scheduler_svc listening on {self.listen}", flush=True)
-            stop = asyncio.create_task(self._stop.wait())
-            done, _ = await asyncio.wait([*tasks, stop], return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
-            for task in done:
-                if task is not stop and task.exception():
-                    raise task.exception()
+
+        try:
+            sock.bind(self.listen)
+            await serve_tasks(
+                [self._intake(sock), self._send(sock), self._loop()], self._stop, announce
+            )
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
             sock.close(0)
             ctx.term()
-            if self.listen.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.listen[len("ipc://") :])
-            if self.ready_file:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.ready_file)
+            remove_endpoint(self.listen, self.ready_file)
             log.info("scheduler_svc stopped")
 
     # -- tasks -------------------------------------------------------------------
