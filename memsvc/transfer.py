@@ -95,7 +95,7 @@ class Room:
     handle: Any = None
     started: float = 0.0
     # decode side
-    pages_received: int = 0
+    chunks: dict[int, int] = field(default_factory=dict)  # zmq: first page -> pages received
     bytes: int = field(default=0)
     owner: int = 0  # the memsvc session whose request this is
     peer_rid: str = ""  # prefill side: the rid the decode side expects
@@ -349,6 +349,10 @@ class TransferAgent:
             reply = {"t": "not_ready", "room": room_id}
         elif room.state is KVPoll.FAILED:
             reply = {"t": "failed", "room": room_id, "why": room.why}
+        elif room.state is KVPoll.SUCCESS and room.rid == header.get("rid"):
+            # A second sender for a room that already has its KV (a re-sent prefill):
+            # nothing to write, and the room must not be reopened.
+            reply = {"t": "ack", "room": room_id, "ok": True, "why": ""}
         elif room.rid != header.get("rid"):
             reason = (
                 f"bootstrap_room mismatch: room {room_id} is {room.rid!r}, "
@@ -380,7 +384,7 @@ class TransferAgent:
             self._finish(room, "transfer data outside the room's pages")
             return
         kv[room.pages[start : start + count]] = data.reshape(count, *page_shape)
-        room.pages_received += count
+        room.chunks[start] = count  # a duplicated chunk is written again, counted once
 
     def _check_done(self, room: Room | None, header: dict) -> tuple[bool, str]:
         if room is None:
@@ -393,8 +397,9 @@ class TransferAgent:
             return False, (
                 f"token count mismatch: sent {header.get('num_tokens')}, expected {room.num_tokens}"
             )
-        if self.backend == "zmq" and room.pages_received != room.pages.size:
-            return False, f"received {room.pages_received} of {room.pages.size} pages"
+        received = sum(room.chunks.values())
+        if self.backend == "zmq" and received != room.pages.size:
+            return False, f"received {received} of {room.pages.size} pages"
         return True, ""
 
     # -- prefill side --------------------------------------------------------------

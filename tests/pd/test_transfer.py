@@ -60,6 +60,12 @@ def test_prompt_pages_arrive_intact_in_the_decode_pool(memsvc_factory, tmp_path,
             assert report["state"] == KVPoll.SUCCESS, report
             assert (report["first_token"], report["cached_tokens"]) == (42, 3)
             assert wait_state(p, 7)["state"] == KVPoll.SUCCESS
+            # A re-sent prefill for a room that already has its KV succeeds at once and
+            # leaves the decode side's room as it is (it is not reopened).
+            p.pd_forget([7])
+            p.pd_send("r", 7, num_tokens, first_token=42, cached_tokens=3)
+            assert wait_state(p, 7)["state"] == KVPoll.SUCCESS
+            assert d.pd_status([7])[0]["state"] == KVPoll.SUCCESS
             for ps_slot, pd_slot in zip(p_slots, d_slots, strict=True):
                 np.testing.assert_array_equal(
                     d_kv.kv[pd_slot // ps, :, :, pd_slot % ps],
