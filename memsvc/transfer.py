@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 
 from memsvc.core.backends.base import aligned_pages
-from memsvc.core.errors import InvalidArgumentError, MemsvcError
+from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
 
 log = logging.getLogger("memsvc.transfer")
@@ -56,10 +56,6 @@ class KVPoll(IntEnum):
     WAITING_FOR_INPUT = 2
     TRANSFERRING = 3
     SUCCESS = 4
-
-
-class TransferNotEnabledError(MemsvcError):
-    code = "invalid_argument"
 
 
 def page_geometry(pool: KVPool) -> list[Any]:
@@ -96,13 +92,9 @@ class Room:
     started: float = 0.0
     # decode side
     chunks: dict[int, int] = field(default_factory=dict)  # zmq: first page -> pages received
-    bytes: int = field(default=0)
+    bytes: int = 0
     owner: int = 0  # the memsvc session whose request this is
     peer_rid: str = ""  # prefill side: the rid the decode side expects
-
-    def fail(self, why: str) -> None:
-        if self.state is not KVPoll.SUCCESS:
-            self.state, self.why = KVPoll.FAILED, why
 
     def report(self) -> dict[str, Any]:
         return {
@@ -546,7 +538,7 @@ class TransferAgent:
                 self.counters["bytes"] += room.bytes
                 self.counters["seconds"] += time.monotonic() - room.started
         else:
-            room.fail(why)
+            room.state, room.why = KVPoll.FAILED, why
             self.counters["failed"] += 1
             log.warning("transfer of room %d (%s) failed: %s", room.room, room.rid, why)
 
