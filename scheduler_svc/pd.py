@@ -50,6 +50,15 @@ def transfer_failed_message(req: Req, room: int, why: str) -> str:
     )
 
 
+async def settled_rooms(mem: Any, rooms: list[int]) -> list[dict[str, Any]]:
+    """The reports of ``rooms`` whose transfer ended (Success or Failed); memsvc forgets those."""
+    reports = await mem.pd_status(rooms)
+    done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
+    if done:
+        await mem.pd_forget([r["room"] for r in done])
+    return done
+
+
 class PrefillEngine(Engine):
     """Prefill only: every request's KV goes to the decode node, then into the tree here."""
 
@@ -94,11 +103,9 @@ class PrefillEngine(Engine):
     async def _poll_inflight(self) -> bool:
         if not self.inflight:
             return False
-        reports = await self.mem.pd_status(list(self.inflight))
-        done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
+        done = await settled_rooms(self.mem, list(self.inflight))
         if not done:
             return False
-        await self.mem.pd_forget([r["room"] for r in done])
         for report in done:
             req = self.inflight.pop(report["room"])
             if report["state"] == KVPoll.SUCCESS:
@@ -317,11 +324,9 @@ class DecodeEngine(Engine):
     async def _poll_transfers(self) -> bool:
         if not self.transfer:
             return False
-        reports = await self.mem.pd_status(list(self.transfer))
-        done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
+        done = await settled_rooms(self.mem, list(self.transfer))
         if not done:
             return False
-        await self.mem.pd_forget([r["room"] for r in done])
         for report in done:
             room = report["room"]
             req = self.transfer.pop(room)

@@ -76,10 +76,10 @@ def retraction_order(
     cooldown = config.retract_cooldown_steps
     if not cooldown or step is None or config.speculative:
         return order
-    cooling = [
+    cooling = {
         i for i in order if reqs[i].readmit_step >= 0 and step - reqs[i].readmit_step < cooldown
-    ]
-    return cooling + [i for i in order if i not in set(cooling)]
+    }
+    return [i for i in order if i in cooling] + [i for i in order if i not in cooling]
 
 
 def _policy_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
