@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU RAM for offloaded KV (default: the size of the KV pool)",
     )
     mem.add_argument(
+        "--offload-copy",
+        choices=("auto", "sync", "async"),
+        default="auto",
+        help="async: an offload returns once its copy is issued (CUDA copy stream / shm copy "
+        "thread) and the pages it reads are reused only after it has finished; sync: it "
+        "returns when the copy is done; auto (default): async on cuda, sync on shm",
+    )
+    mem.add_argument(
         "--retract-decode-steps",
         type=int,
         default=env_int("SGLANG_RETRACT_DECODE_STEPS", 20),
@@ -212,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             host_store_bytes=host_bytes,
             disable_radix_cache=args.disable_radix_cache,
             backend_options=options,
+            async_offload=args.offload_copy == "async"
+            or (args.offload_copy == "auto" and args.backend == "cuda"),
         )
     except MemsvcError as exc:
         print(f"memsvc: error: {exc}", file=sys.stderr)

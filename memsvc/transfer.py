@@ -190,10 +190,13 @@ class ZmqMover:
         return {}
 
     def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
-        kv = self.pool.buffers.kv
+        buffers = self.pool.buffers
+        page_shape = buffers.layout.kv_shape[1:]
         for start in range(0, room.pages.size, CHUNK_PAGES):
             chunk = room.pages[start : start + CHUNK_PAGES]
-            payload = np.ascontiguousarray(kv[chunk])  # one gather into the frame
+            # one gather into the frame (device to host on the cuda backend)
+            payload = np.empty((chunk.size, *page_shape), buffers.layout.storage_dtype)
+            buffers.gather_pages(chunk, payload)
             peer.send_multipart(_pack({"t": "data", "room": room.room, "start": start}, payload))
 
     def poll(self, room: Room) -> str:
@@ -368,14 +371,15 @@ class TransferAgent:
     def _receive_data(self, room: Room | None, start: int, payload: list[bytes]) -> None:
         if room is None or room.state is not KVPoll.TRANSFERRING or len(payload) != 1:
             return  # cancelled or failed meanwhile: drop the bytes
-        kv = self.pool.buffers.kv
-        page_shape = kv.shape[1:]
-        data = np.frombuffer(payload[0], dtype=kv.dtype)
-        count = data.size // int(np.prod(page_shape))
-        if count == 0 or start < 0 or start + count > room.pages.size:
+        layout = self.pool.buffers.layout
+        page_shape = layout.kv_shape[1:]
+        data = np.frombuffer(payload[0], dtype=layout.storage_dtype)
+        count, rest = divmod(data.size, int(np.prod(page_shape)))
+        if count == 0 or rest or start < 0 or start + count > room.pages.size:
             self._finish(room, "transfer data outside the room's pages")
             return
-        kv[room.pages[start : start + count]] = data.reshape(count, *page_shape)
+        pages = room.pages[start : start + count]
+        self.pool.buffers.scatter_pages(data.reshape(count, *page_shape), pages)
         room.chunks[start] = count  # a duplicated chunk is written again, counted once
 
     def _check_done(self, room: Room | None, header: dict) -> tuple[bool, str]:

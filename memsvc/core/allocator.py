@@ -7,11 +7,27 @@ slots; the allocator thinks in pages only.
 
 Allocation is all-or-nothing: a call that cannot be satisfied returns ``None``
 and changes nothing. Freed pages are reused first (the free list is a stack).
+
+Pages freed while an asynchronous copy may still read them (an offload to the
+host store) are not reusable yet: they wait, tagged pending, behind the fence
+of the newest copy issued before the free::
+
+    offload r (async) -> fence F     release r -> r's pages: pending behind F
+    alloc needs them  -> wait F, then they join the free list, then allocate
+
+Copies complete in issue order (one copy stream / one copy thread), so the
+newest fence covers every copy that could read a page freed now. Pending
+pages count as available: an allocation that needs them waits for their
+fence instead of failing.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
+
+from memsvc.core.fence import CopyFence
 
 from memsvc.core.errors import (
     DoubleFreeError,
@@ -27,6 +43,7 @@ OWNER_FREE = 0
 OWNER_TREE = -1
 OWNER_RESERVED = -2
 OWNER_ANY = -3  # pages allocated without naming an owner (standalone use, tests)
+OWNER_PENDING = -4  # freed, waiting for an in-flight copy that may read them
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -53,6 +70,9 @@ class PageAllocator:
         self._num_free = num_pages
         self._owner = np.zeros(num_pages + 1, dtype=np.int32)
         self._owner[0] = OWNER_RESERVED  # the padding page is never handed out
+        self._copy_fence: CopyFence | None = None  # the newest copy that may still run
+        self._pending: deque[tuple[CopyFence, np.ndarray]] = deque()
+        self._num_pending = 0
 
     # -- sizes -----------------------------------------------------------------
 
@@ -63,11 +83,45 @@ class PageAllocator:
 
     @property
     def num_free_pages(self) -> int:
-        return self._num_free
+        """Pages an allocation can have: free now, or pending behind a copy."""
+        return self._num_free + self._num_pending
+
+    @property
+    def num_pending_pages(self) -> int:
+        return self._num_pending
 
     def available_size(self) -> int:
-        """Free token slots (whole free pages only)."""
-        return self._num_free * self.page_size
+        """Free token slots (whole free pages only, pending ones included)."""
+        return (self._num_free + self._num_pending) * self.page_size
+
+    # -- copies in flight --------------------------------------------------------
+
+    def copy_issued(self, fence: CopyFence) -> None:
+        """An asynchronous copy that reads pool pages was started; ``fence`` says when it ends."""
+        self._copy_fence = fence
+
+    def reclaim(self, *, need: int = 0) -> None:
+        """Move pending pages whose copies are done to the free list; with ``need``,
+        wait on fences (oldest first) until that many pages are free or none is pending."""
+        while self._pending:
+            fence, pages = self._pending[0]
+            if not fence.done():
+                if self._num_free >= need:
+                    return
+                fence.wait()
+            self._pending.popleft()
+            self._num_pending -= pages.size
+            self._push_free(pages)
+
+    def drain(self) -> None:
+        """Wait for every copy in flight and free every pending page."""
+        self.reclaim(need=self.num_pages + 1)
+        if self._copy_fence is not None:
+            self._copy_fence.wait()
+            self._copy_fence = None
+
+    def pending_page_list(self) -> list[int]:
+        return [int(p) for _, pages in self._pending for p in pages]
 
     # -- pages -----------------------------------------------------------------
 
@@ -79,7 +133,9 @@ class PageAllocator:
         if num_pages < 0:
             raise InvalidArgumentError(f"cannot allocate {num_pages} pages")
         if num_pages > self._num_free:
-            return None
+            if num_pages > self._num_free + self._num_pending:
+                return None
+            self.reclaim(need=num_pages)
         if num_pages == 0:
             return np.empty(0, dtype=SLOT_DTYPE)
         top = self._num_free
@@ -101,7 +157,7 @@ class PageAllocator:
                 f"page index out of range 1..{self.num_pages}: {pages[0]}..{pages[-1]}"
             )
         owners = self._owner[pages]
-        already_free = pages[owners == OWNER_FREE]
+        already_free = pages[(owners == OWNER_FREE) | (owners == OWNER_PENDING)]
         if already_free.size:
             raise DoubleFreeError(f"pages already free: {already_free[:8].tolist()}")
         if owner is not None and (owners != owner).any():
@@ -110,6 +166,16 @@ class PageAllocator:
             raise PageOwnershipError(
                 f"pages {wrong[:8].tolist()} are held by {holder}, not by {_owner_name(owner)}"
             )
+        fence = self._copy_fence
+        if fence is not None and not fence.done():
+            self._owner[pages] = OWNER_PENDING
+            self._pending.append((fence, pages))
+            self._num_pending += pages.size
+            return
+        self._copy_fence = None
+        self._push_free(pages)
+
+    def _push_free(self, pages: np.ndarray) -> None:
         self._owner[pages] = OWNER_FREE
         top = self._num_free
         self._free[top : top + pages.size] = pages[::-1]
@@ -153,7 +219,8 @@ class PageAllocator:
             )
 
     def is_in_use(self, pages: np.ndarray) -> np.ndarray:
-        return self._owner[np.asarray(pages, dtype=SLOT_DTYPE)] != OWNER_FREE
+        owners = self._owner[np.asarray(pages, dtype=SLOT_DTYPE)]
+        return (owners != OWNER_FREE) & (owners != OWNER_PENDING)
 
     def owners(self) -> np.ndarray:
         """Owner tag of every page (index = page); a read-only view."""
@@ -179,6 +246,7 @@ def _owner_name(owner: int) -> str:
         OWNER_TREE: "the radix tree",
         OWNER_RESERVED: "the pool",
         OWNER_ANY: "an anonymous holder",
+        OWNER_PENDING: "nobody (freed, waiting for a copy)",
     }
     return names.get(owner, f"request row {owner}")
 

@@ -65,6 +65,12 @@ class HostStoreFullError(MemsvcError):
     code = "host_store_full"
 
 
+class CopyFailedError(MemsvcError):
+    """An asynchronous offload copy failed; the host copy is unusable (and dropped)."""
+
+    code = "copy_failed"
+
+
 class BackendUnavailableError(MemsvcError):
     """The requested buffer backend cannot run here (e.g. ``cuda`` without a GPU or cupy)."""
 

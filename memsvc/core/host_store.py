@@ -11,6 +11,12 @@ arena page ``i // page_size``, offset ``i % page_size`` of its extents)::
 
 so offload and load are whole-page copies, one large copy per run of
 consecutive pool pages.
+
+An asynchronous offload returns as soon as its copies are issued; the entry
+keeps their fence, and :meth:`HostStore.load` and :meth:`HostStore.read` wait
+on it first. A discarded entry's arena pages can be handed to the next
+offload at once: copies finish in issue order, so the new copy writes them
+only after the old one is done.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import numpy as np
 
 from memsvc.core.allocator import ceil_div
 from memsvc.core.backends.base import KVBuffers
+from memsvc.core.fence import DONE, CopyFence
 from memsvc.core.errors import (
+    CopyFailedError,
     DuplicateRequestError,
     HostStoreFullError,
     InvalidArgumentError,
@@ -35,6 +43,7 @@ Extent = tuple[int, int]  # (first arena page, number of pages)
 class HostEntry:
     num_tokens: int
     extents: list[Extent]
+    fence: CopyFence = DONE  # the offload copy writing this entry
 
     @property
     def num_pages(self) -> int:
@@ -84,8 +93,13 @@ class HostStore:
     def bytes_needed(self, num_tokens: int) -> int:
         return ceil_div(num_tokens, self._buffers.layout.page_size) * self._page_bytes
 
-    def offload(self, rid: str, token_slots: np.ndarray) -> int:
-        """Copy the KV of ``token_slots`` (the request's tokens in order) out; returns bytes."""
+    def offload(self, rid: str, token_slots: np.ndarray, *, asynchronous: bool = False) -> int:
+        """Copy the KV of ``token_slots`` (the request's tokens in order) out; returns bytes.
+
+        With ``asynchronous`` the copy may still be running on return:
+        :meth:`fence` says when it is done, and the pages it reads must not
+        be reused before then.
+        """
         if rid in self._entries:
             raise DuplicateRequestError(f"host store already holds KV for {rid!r}")
         num_pages = ceil_div(token_slots.size, self._buffers.layout.page_size)
@@ -96,16 +110,25 @@ class HostStore:
             )
         extents = self._take(num_pages)
         page_size = self._buffers.layout.page_size
+        fence: CopyFence = DONE
         for (first, length), token_start in zip(extents, self._token_starts(extents), strict=True):
             chunk = token_slots[token_start : token_start + length * page_size]
-            self._buffers.copy_out(chunk, self._arena[first : first + length])
-        self._entries[rid] = HostEntry(token_slots.size, extents)
+            out = self._arena[first : first + length]
+            if asynchronous:
+                fence = self._buffers.copy_out_async(chunk, out)  # in order: the last covers all
+            else:
+                self._buffers.copy_out(chunk, out)
+        self._entries[rid] = HostEntry(token_slots.size, extents, fence)
         self._used_pages += num_pages
         return num_pages * self._page_bytes
 
+    def fence(self, rid: str) -> CopyFence:
+        """The fence of ``rid``'s offload copy (done at once for a synchronous one)."""
+        return self._entry(rid).fence
+
     def load(self, rid: str, new_token_slots: np.ndarray) -> int:
         """Copy the KV back into ``new_token_slots`` and drop the host copy; returns bytes."""
-        entry = self._entry(rid)
+        entry = self._settled(rid)
         if new_token_slots.size != entry.num_tokens:
             raise InvalidArgumentError(
                 f"{rid!r} has {entry.num_tokens} tokens offloaded, got "
@@ -122,7 +145,7 @@ class HostStore:
 
     def read(self, rid: str) -> np.ndarray:
         """The stored KV of ``rid`` as ``[tokens, layers, 2, heads, dim]`` (a copy; for tests)."""
-        entry = self._entry(rid)
+        entry = self._settled(rid)
         pages = np.concatenate([self._arena[f : f + n] for f, n in entry.extents])
         tokens = np.arange(entry.num_tokens)
         page_size = self._buffers.layout.page_size
@@ -170,6 +193,16 @@ class HostStore:
             else:
                 merged.append((first, length))
         self._free = merged
+
+    def _settled(self, rid: str) -> HostEntry:
+        """``rid``'s entry once its offload copy is done; a failed copy drops it."""
+        entry = self._entry(rid)
+        entry.fence.wait()
+        failure = entry.fence.error()
+        if failure is not None:
+            self.discard(rid)
+            raise CopyFailedError(f"offloading {rid!r} to the host store failed: {failure}")
+        return entry
 
     def _entry(self, rid: str) -> HostEntry:
         try:

@@ -2,7 +2,8 @@
 
 Used by every test that touches memory and by memsvc's ``check`` op::
 
-    page owner tags  ==  free list  +  radix tree nodes  +  each open request's own pages
+    page owner tags  ==  free list  +  pending (freed, waiting for a copy)
+                         +  radix tree nodes  +  each open request's own pages
     available + evictable + protected + held == capacity
     a node's lock_ref == the open requests whose locked prefix passes through it
     idle:  nothing open, nothing protected, host store empty
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memsvc.core.allocator import OWNER_FREE, OWNER_TREE, SLOT_DTYPE
+from memsvc.core.allocator import OWNER_FREE, OWNER_PENDING, OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -37,6 +38,15 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
         free_list.size and (owners[free_list] != OWNER_FREE).any()
     ):
         problems.append("free list and owner tags disagree")
+    pending = np.array(pool.allocator.pending_page_list(), dtype=SLOT_DTYPE)
+    if np.intersect1d(pending, free_list).size or np.unique(pending).size != pending.size:
+        problems.append("a pending page is also free, or pending twice")
+    if pending.size != int((owners == OWNER_PENDING).sum()) or (
+        pending.size and (owners[pending] != OWNER_PENDING).any()
+    ):
+        problems.append("pending pages and owner tags disagree")
+    if pending.size != pool.allocator.num_pending_pages:
+        problems.append("pending page counter disagrees with the pending list")
 
     # The tree: every node's pages are tree-owned, no page in two nodes.
     try:
@@ -79,7 +89,7 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
     stray = set(np.unique(owners[1:][owners[1:] > 0]).tolist()) - live_rows
     if stray:
         problems.append(f"pages owned by closed rows {sorted(stray)[:8]}")
-    if (owners[1:] < OWNER_TREE).any():
+    if ((owners[1:] < OWNER_TREE) & (owners[1:] != OWNER_PENDING)).any():
         problems.append("pages with an anonymous or reserved owner")
     for node_id, node in nodes_by_id.items():
         if node.lock_ref != expected_locks.get(node_id, 0):

@@ -85,8 +85,11 @@ class KVPool:
         host_store_bytes: int = 0,
         disable_radix_cache: bool = False,
         backend_options: dict[str, Any] | None = None,
+        async_offload: bool = False,
     ) -> None:
         self.layout = layout
+        # Offload copies return before they finish; freed pages wait for them.
+        self.async_offload = async_offload
         self.buffers = create_buffers(layout, backend, **(backend_options or {}))
         try:
             self.allocator = PageAllocator(layout.num_pages, layout.page_size)
@@ -423,7 +426,11 @@ class KVPool:
             raise InvalidArgumentError(
                 f"cannot offload {num_tokens} tokens of {rid!r}, which has {req.kv_len}"
             )
-        return self.host_store.offload(rid, self.table.read(req.row, 0, num_tokens))
+        slots = self.table.read(req.row, 0, num_tokens)
+        nbytes = self.host_store.offload(rid, slots, asynchronous=self.async_offload)
+        if self.async_offload:
+            self.allocator.copy_issued(self.host_store.fence(rid))
+        return nbytes
 
     def load(self, rid: str, *, evict: bool = True) -> np.ndarray | None:
         """Bring ``rid``'s offloaded KV back into fresh slots of its (empty) row.
@@ -444,6 +451,10 @@ class KVPool:
 
     # -- integrity -------------------------------------------------------------
 
+    def settle_copies(self) -> None:
+        """Wait for every offload copy in flight; pages waiting on them become free."""
+        self.allocator.drain()
+
     def check_integrity(self, *, idle: bool = False) -> None:
         """Raise :class:`IntegrityError` unless every page is in exactly one place
         and every counter agrees; with ``idle``, also that nothing is held."""
@@ -452,6 +463,7 @@ class KVPool:
     # -- lifetime --------------------------------------------------------------
 
     def close(self) -> None:
+        self.settle_copies()
         self.buffers.close()
 
     def __enter__(self) -> KVPool:

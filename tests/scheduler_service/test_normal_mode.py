@@ -99,6 +99,29 @@ def test_article_scenario_retract_is_transparent(launcher, checkpoint) -> None:
     assert_idle(pressure)
 
 
+def test_offload_retract_with_async_copies_is_transparent(launcher, checkpoint) -> None:
+    """Every victim offloaded, memsvc's copies asynchronous (the cuda default, here on
+    the shm copy thread): freed pages wait for their copy, outputs are unchanged."""
+    reqs = workload(seed=1, count=6, long_len=200)
+    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
+    want = run_all(reference.scheduler.address, reqs)
+    pressure = start_stack(
+        launcher,
+        checkpoint,
+        [*SMALL_POOL, "--offload-copy", "async"],
+        name="-async",
+        scheduler=["--schedule-conservativeness", "0.3", "--retract-mode", "offload"],
+    )
+    got = run_all(pressure.scheduler.address, reqs)
+    assert finish_ids(got) == finish_ids(want)
+    with GenerateClient(pressure.scheduler.address) as client:
+        stats = client.info()["stats"]
+    assert stats["retracted_reqs"] > 0 and stats["reprefilled_tokens"] == 0
+    assert stats["offloaded_tokens"] > 0 and stats["loaded_tokens"] == stats["offloaded_tokens"]
+    assert_idle(reference)
+    assert_idle(pressure)
+
+
 def test_churn_under_test_retract(launcher, checkpoint) -> None:
     reqs = workload(seed=2, count=32)
     reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")

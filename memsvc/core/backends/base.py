@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE
+from memsvc.core.fence import DONE, CopyFence
 from memsvc.core.layout import PoolLayout
 
 
@@ -98,6 +99,15 @@ class KVBuffers(ABC):
         positions = np.arange(slots.size)
         # advanced indices on axes 0 and 3 put the token axis first: [n, layers, 2, heads, dim]
         out[positions // page_size, :, :, positions % page_size] = self.read_slots(slots)
+
+    def copy_out_async(self, slots: np.ndarray, out: np.ndarray) -> CopyFence:
+        """Start :meth:`copy_out`; the fence says when it has finished.
+
+        The pages of ``slots`` must not be reused, nor ``out`` read, before
+        then. Copies finish in issue order. This default copies synchronously.
+        """
+        self.copy_out(slots, out)
+        return DONE
 
     def copy_in(self, src: np.ndarray, slots: np.ndarray) -> None:
         """Inverse of :meth:`copy_out`."""

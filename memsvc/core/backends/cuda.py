@@ -8,9 +8,11 @@ the buffer), exported with ``cudaIpcGetMemHandle``; attachers open them with
 tensors. The control plane keeps a host mirror of ``req_to_token``.
 
 Copies between the pool and the host store are large ``cudaMemcpyAsync``
-runs on a dedicated stream, and each copy call returns only after its stream
-has finished, so a page can never be freed (and reused) while a copy from it
-is still in flight.
+runs on a dedicated copy stream. An offload (:meth:`CudaBuffers.copy_out_async`)
+returns at once with an event recorded after its copies; the pool keeps the
+pages it reads off the free list, and the host entry it writes unreadable,
+until that event has completed. Loads and the other copies wait for their
+stream before returning, so the model worker never reads a half-loaded page.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from memsvc.core.backends.base import AttachedBuffers, KVBuffers, page_runs
+from memsvc.core.backends.base import AttachedBuffers, KVBuffers, aligned_pages, page_runs
 from memsvc.core.errors import BackendUnavailableError
+from memsvc.core.fence import CopyFence, EventFence
 from memsvc.core.layout import PoolLayout
 
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
@@ -107,21 +110,31 @@ class CudaBuffers(KVBuffers):
         pinned = self._cp.cuda.alloc_pinned_memory(count * self.layout.itemsize)
         return np.frombuffer(pinned, self.layout.storage_dtype, count).reshape(shape)
 
-    def _copy_runs(self, host: np.ndarray, pages: np.ndarray, kind: int) -> None:
+    def _enqueue_runs(self, host: np.ndarray, pages: np.ndarray, kind: int) -> None:
+        """One ``cudaMemcpyAsync`` per run of consecutive pages, on the copy stream."""
         page_bytes = self.layout.bytes_per_page
         host_ptr = host.ctypes.data
         runtime = self._cp.cuda.runtime
+        for index, first_page, length in page_runs(pages):
+            device_ptr = self._kv_mem.ptr + first_page * page_bytes
+            host_at = host_ptr + index * page_bytes
+            src, dst = (device_ptr, host_at) if kind == _DEVICE_TO_HOST else (host_at, device_ptr)
+            runtime.memcpyAsync(dst, src, length * page_bytes, kind, self.stream.ptr)
+
+    def _copy_runs(self, host: np.ndarray, pages: np.ndarray, kind: int) -> None:
         with self._cp.cuda.Device(self.device):
-            for index, first_page, length in page_runs(pages):
-                device_ptr = self._kv_mem.ptr + first_page * page_bytes
-                host_at = host_ptr + index * page_bytes
-                src, dst = (
-                    (device_ptr, host_at) if kind == _DEVICE_TO_HOST else (host_at, device_ptr)
-                )
-                runtime.memcpyAsync(dst, src, length * page_bytes, kind, self.stream.ptr)
-            # Returning only when the copy is done is what keeps a freed page
-            # from being overwritten while it is still being read.
+            self._enqueue_runs(host, pages, kind)
             self.stream.synchronize()
+
+    def copy_out_async(self, slots: np.ndarray, out: np.ndarray) -> CopyFence:
+        pages = aligned_pages(slots, self.layout.page_size)
+        if pages is None:  # a gather by token (unaligned layout): synchronous
+            return super().copy_out_async(slots, out)
+        with self._cp.cuda.Device(self.device):
+            self._enqueue_runs(out, pages, _DEVICE_TO_HOST)
+            event = self._cp.cuda.Event(block=False, disable_timing=True)
+            event.record(self.stream)
+        return EventFence(event)
 
     def gather_pages(self, pages: np.ndarray, out: np.ndarray) -> None:
         self._copy_runs(out, pages, _DEVICE_TO_HOST)
@@ -149,6 +162,7 @@ class CudaBuffers(KVBuffers):
         if self._closed:
             return
         self._closed = True
+        self.stream.synchronize()  # no copy may touch the buffers after this
         self.kv = self.req_to_token_device = None
         self._kv_mem = self._r2t_mem = None  # cudaFree when the last reference goes
 

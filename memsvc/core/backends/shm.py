@@ -15,12 +15,14 @@ import os
 import secrets
 import signal
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from memsvc.core.backends.base import AttachedBuffers, KVBuffers, page_runs
 from memsvc.core.errors import BackendUnavailableError, InvalidArgumentError
+from memsvc.core.fence import CopyFence, FutureFence
 from memsvc.core.layout import PoolLayout
 
 SHM_DIR = "/dev/shm"
@@ -106,6 +108,7 @@ class ShmBuffers(KVBuffers):
         self.req_to_token = np.frombuffer(self._r2t_map, dtype=np.int32).reshape(
             layout.req_to_token_shape
         )
+        self._copier: ThreadPoolExecutor | None = None  # started by the first async copy
 
     def handle(self) -> dict[str, Any]:
         return {
@@ -143,6 +146,14 @@ class ShmBuffers(KVBuffers):
         for index, first, length in page_runs(pages):
             self.kv[first : first + length] = src[index : index + length]
 
+    def copy_out_async(self, slots: np.ndarray, out: np.ndarray) -> CopyFence:
+        """The copy runs on one copy thread (numpy releases the GIL while it
+        copies), so copies finish in issue order."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+        # slots may be a view of a row that is zeroed when the request closes
+        return FutureFence(self._copier.submit(self.copy_out, slots.copy(), out))
+
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         page_size = self.layout.page_size
         return self.kv[slots // page_size, :, :, slots % page_size]
@@ -154,6 +165,8 @@ class ShmBuffers(KVBuffers):
     def close(self) -> None:
         if not self._finalizer.alive:
             return
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)  # no copy may touch the mapping after this
         self._finalizer()  # unlink first: existing mappings stay valid
         self.kv = self.req_to_token = None  # type: ignore[assignment]
         _close_mapping(self._kv_map)
