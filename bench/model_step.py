@@ -147,19 +147,33 @@ def measure_decode(
 
 @contextmanager
 def bound_pool(
-    model: LlamaModel, layout: PoolLayout, host_store_bytes: int = 0
+    model: LlamaModel, layout: PoolLayout, host_store_bytes: int = 0, backend: str = "shm"
 ) -> Iterator[KVPool]:
-    """A pool mapped as the model worker maps it; unbound and unmapped before it closes."""
-    with KVPool(layout, host_store_bytes=host_store_bytes) as pool:
-        attached = attach(pool.buffers.handle())
+    """A pool mapped as the model worker maps it; unbound and unmapped before it closes.
+
+    On ``cuda`` the model (on the GPU) uses the pool's device buffers directly
+    through DLPack: CUDA IPC cannot map memory into the process that owns it.
+    """
+    with KVPool(
+        layout, backend=backend, host_store_bytes=host_store_bytes, async_offload=backend == "cuda"
+    ) as pool:
+        attached = attach(pool.buffers.handle()) if backend == "shm" else None
         try:
-            model.bind(attached.kv_torch(), attached.req_to_token_torch(), layout.page_size)
+            if attached is not None:
+                model.bind(attached.kv_torch(), attached.req_to_token_torch(), layout.page_size)
+            else:
+                kv = torch.from_dlpack(pool.buffers.kv)
+                if layout.dtype == "bfloat16":
+                    kv = kv.view(torch.bfloat16)
+                table = torch.from_dlpack(pool.buffers.req_to_token_device)
+                model.bind(kv, table, layout.page_size)
             pool.buffers.kv[:] = 0  # touch every page so no first-touch faults get timed
             yield pool
             pool.check_integrity(idle=True)
         finally:
             model.unbind()
-            attached.close()
+            if attached is not None:
+                attached.close()
 
 
 def max_decode_len(args: argparse.Namespace) -> int:

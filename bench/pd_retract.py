@@ -14,6 +14,11 @@ page 16), in one run:
   memsvc processes (a 16k-token prompt, pd_send until Success), against a raw
   memcpy of the same bytes in this process (``ratio_memcpy``).
 
+``--backend cuda`` runs the same on the GPU backend: the model on the GPU,
+the pool in GPU memory (offload / load through the pinned host store), the
+two memsvc with ``--backend cuda``; the transfer baseline is then also a
+device-to-device cupy copy of the same bytes (``d2d_gb_per_s``).
+
 Prints one JSON object on its last line.
 """
 
@@ -70,7 +75,7 @@ def normal_retract_reprefill(bench: Bench, rid: str, ids: np.ndarray) -> None:
     pool.release(rid, is_insert=False)
     pool.open_request(rid)
     pool.alloc_extend([(rid, ids.size)])
-    bench.extend(rid, ids)
+    bench.extend(rid, ids).cpu()  # waits for the forward pass on a GPU too
 
 
 def measure_retract(bench: Bench, num_tokens: int, repeats: int) -> dict[str, float]:
@@ -86,9 +91,12 @@ def measure_retract(bench: Bench, num_tokens: int, repeats: int) -> dict[str, fl
     return {"pd_s": round(pd_s, 5), "normal_s": round(normal_s, 4), "ratio": pd_s / normal_s}
 
 
-def measure_transfer(model: LlamaModel, backend: str, num_tokens: int, repeats: int) -> dict:
+def measure_transfer(
+    model: LlamaModel, backend: str, num_tokens: int, repeats: int, pool_backend: str
+) -> dict:
     cfg = model.config
     geometry = [
+        "--backend", pool_backend,
         "--num-layers", str(cfg.num_hidden_layers), "--num-kv-heads", str(cfg.num_key_value_heads),
         "--head-dim", str(cfg.head_dim), "--dtype", "float32", "--page-size", str(PAGE_SIZE),
         "--num-pages", str(2 * num_tokens // PAGE_SIZE), "--max-context-len", str(2 * num_tokens),
@@ -138,6 +146,19 @@ def memcpy_gb_per_s(nbytes: int, repeats: int) -> float:
     return nbytes / seconds / 1e9
 
 
+def d2d_gb_per_s(nbytes: int, repeats: int) -> float:
+    import cupy as cp
+
+    src = cp.ones(nbytes, dtype=cp.uint8)
+    dst = cp.zeros_like(src)
+
+    def copy() -> None:
+        dst[...] = src
+        cp.cuda.runtime.deviceSynchronize()
+
+    return nbytes / best_seconds(copy, repeats) / 1e9
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -145,13 +166,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--backends", default="zmq,nixl", help="transfer backends to measure (comma list)"
     )
+    parser.add_argument("--backend", choices=("shm", "cuda"), default="shm", help="KV pool backend")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = "cuda" if args.backend == "cuda" else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
-        model = LlamaModel.from_checkpoint(write_tiny_checkpoint(tmp))
-    result: dict = {"model": "tiny-llama float32", "page_size": PAGE_SIZE}
+        model = LlamaModel.from_checkpoint(write_tiny_checkpoint(tmp), device=device)
+    result: dict = {
+        "model": "tiny-llama float32",
+        "page_size": PAGE_SIZE,
+        "backend": args.backend,
+    }
     layout = layout_for(model, max(LENGTHS))
-    with bound_pool(model, layout, host_store_bytes=layout.kv_bytes // 2) as pool:
+    host_bytes = layout.kv_bytes // 2
+    with bound_pool(model, layout, host_store_bytes=host_bytes, backend=args.backend) as pool:
         bench = Bench(pool, model, np.random.default_rng(0))
         for n in LENGTHS:
             figures = measure_retract(bench, n, args.repeats)
@@ -159,8 +187,12 @@ def main(argv: list[str] | None = None) -> None:
             result[f"ratio_{n // 1024}k"] = round(figures["ratio"], 4)
     transfer = {}
     for backend in args.backends.split(","):
-        transfer[backend] = measure_transfer(model, backend, max(LENGTHS), args.repeats)
+        transfer[backend] = measure_transfer(
+            model, backend, max(LENGTHS), args.repeats, args.backend
+        )
     memcpy = memcpy_gb_per_s(transfer[backend]["bytes"], args.repeats)
+    if args.backend == "cuda":
+        result["d2d_gb_per_s"] = round(d2d_gb_per_s(transfer[backend]["bytes"], args.repeats), 3)
     for figures in transfer.values():
         figures["ratio_memcpy"] = round(figures["gb_per_s"] / memcpy, 3)
     result["transfer"] = transfer

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,12 +150,14 @@ class Launcher:
         pool: list[str],
         scheduler: list[str] = (),
         *,
+        model: Sequence[str] = ("--threads", "1"),
         suffix: str = "",
         env: dict[str, str] | None = None,
         log_level: str | None = None,
     ) -> tuple[Service, Service, Service]:
         """memsvc + model_svc + scheduler_svc in normal mode, wired together.
 
+        ``model``: extra model_svc flags (``--device cuda`` with a cuda pool).
         ``log_level``, if given, is passed to each as ``--log-level``.
         """
         logging = ["--log-level", log_level] if log_level else []
@@ -165,8 +168,7 @@ class Launcher:
             mem.address,
             "--checkpoint",
             str(checkpoint),
-            "--threads",
-            "1",
+            *model,
             *logging,
             name=f"model_svc{suffix}",
         )
@@ -193,6 +195,7 @@ class Launcher:
         decode_scheduler: list[str] = (),
         transfer_backend: str = "auto",
         transfer_timeout: float = 5.0,
+        model: Sequence[str] = ("--threads", "1"),
         suffix: str = "",
         log_level: str | None = None,
     ) -> dict[str, Service]:
@@ -232,8 +235,7 @@ class Launcher:
                 up[f"memsvc-{node}"].address,
                 "--checkpoint",
                 str(checkpoint),
-                "--threads",
-                "1",
+                *model,
                 *logging,
                 name=f"model_svc-{node}{suffix}",
             )

@@ -27,14 +27,13 @@ from collections import deque
 
 import numpy as np
 
-from memsvc.core.fence import CopyFence
-
 from memsvc.core.errors import (
     DoubleFreeError,
     InvalidArgumentError,
     InvalidPageError,
     PageOwnershipError,
 )
+from memsvc.core.fence import CopyFence
 
 SLOT_DTYPE = np.int64
 

@@ -27,7 +27,6 @@ import numpy as np
 
 from memsvc.core.allocator import ceil_div
 from memsvc.core.backends.base import KVBuffers
-from memsvc.core.fence import DONE, CopyFence
 from memsvc.core.errors import (
     CopyFailedError,
     DuplicateRequestError,
@@ -35,6 +34,7 @@ from memsvc.core.errors import (
     InvalidArgumentError,
     UnknownRequestError,
 )
+from memsvc.core.fence import DONE, CopyFence
 
 Extent = tuple[int, int]  # (first arena page, number of pages)
 

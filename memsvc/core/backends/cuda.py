@@ -17,6 +17,7 @@ stream before returning, so the model worker never reads a half-loaded page.
 
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -49,8 +50,11 @@ def import_cupy() -> Any:
 
 
 class CudaBuffers(KVBuffers):
-    def __init__(self, layout: PoolLayout, device: int = 0) -> None:
+    def __init__(self, layout: PoolLayout, device: int = 0, pinned_host: bool = True) -> None:
+        """``pinned_host=False`` gives a pageable host store (for comparison only:
+        copies from pageable memory are staged by the driver and run slower)."""
         cp = import_cupy()
+        self.pinned_host = pinned_host
         self._cp = cp
         self.layout = layout
         if not 0 <= device < cp.cuda.runtime.getDeviceCount():
@@ -107,8 +111,12 @@ class CudaBuffers(KVBuffers):
     def alloc_host(self, num_pages: int) -> np.ndarray:
         shape = (num_pages, *self.layout.kv_shape[1:])
         count = int(np.prod(shape))
-        pinned = self._cp.cuda.alloc_pinned_memory(count * self.layout.itemsize)
-        return np.frombuffer(pinned, self.layout.storage_dtype, count).reshape(shape)
+        nbytes = max(count * self.layout.itemsize, 1)
+        if self.pinned_host:
+            memory = self._cp.cuda.alloc_pinned_memory(nbytes)
+        else:
+            memory = mmap.mmap(-1, nbytes)
+        return np.frombuffer(memory, self.layout.storage_dtype, count).reshape(shape)
 
     def _enqueue_runs(self, host: np.ndarray, pages: np.ndarray, kind: int) -> None:
         """One ``cudaMemcpyAsync`` per run of consecutive pages, on the copy stream."""
