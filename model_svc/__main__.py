@@ -82,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            f"model_svc: error: --device cuda, but torch {torch.__version__} sees no CUDA GPU "
+            "(a CPU build, no driver, or CUDA_VISIBLE_DEVICES hides it); use --device cpu "
+            "with memsvc --backend shm",
+            file=sys.stderr,
+        )
+        return 2
     mem = None
     try:
         listen = args.listen or default_listen_address("model_svc")
