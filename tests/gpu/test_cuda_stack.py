@@ -9,7 +9,6 @@ Skipped, saying why, without a GPU and a CUDA build of torch.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +17,13 @@ import pytest
 from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import GenerateClient
-from scheduler_svc.launch import Launcher
 from tests.gpu.support import needs_gpu_torch
-from tests.scheduler_service.test_normal_mode import finish_ids, run_all, workload
+from tests.scheduler_service.test_normal_mode import (
+    finish_ids,
+    reference_run,
+    run_all,
+    workload,
+)
 
 pytestmark = [pytest.mark.gpu, needs_gpu_torch]
 
@@ -40,10 +43,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def reference(checkpoint) -> Iterator[dict]:
     """Outputs of the workload on a GPU pool with no pressure."""
     reqs = workload(seed=1, count=6, long_len=200)
-    with tempfile.TemporaryDirectory() as tmp, Launcher(tmp) as up:
-        mem, _, sched = up.start_normal_stack(checkpoint, BIG, model=CUDA_MODEL)
-        results = run_all(sched.address, reqs)
-        assert_idle(mem)
+    results = reference_run(checkpoint, BIG, reqs, model=CUDA_MODEL)
     yield {"reqs": reqs, "outputs": finish_ids(results)}
 
 

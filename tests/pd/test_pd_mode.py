@@ -7,7 +7,6 @@ without retracts on the decode node) must equal those of a normal-mode stack.
 from __future__ import annotations
 
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +16,12 @@ import pytest
 from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import GenerateClient
-from scheduler_svc.launch import Launcher
-from tests.scheduler_service.test_normal_mode import finish_ids, run_all, workload
+from tests.scheduler_service.test_normal_mode import (
+    finish_ids,
+    reference_run,
+    run_all,
+    workload,
+)
 
 POOL = ["--page-size", "4", "--max-running-requests", "32", "--max-context-len", "1024"]
 BIG = [*POOL, "--num-pages", "2048"]
@@ -36,9 +39,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def reference(checkpoint) -> Iterator[dict]:
     """Normal-mode outputs of the workload on a pool with no pressure."""
     reqs = workload(seed=1, count=6, long_len=200)
-    with tempfile.TemporaryDirectory() as tmp, Launcher(tmp) as up:
-        _, _, sched = up.start_normal_stack(checkpoint, BIG)
-        results = run_all(sched.address, reqs)
+    results = reference_run(checkpoint, BIG, reqs)
     yield {"reqs": reqs, "outputs": finish_ids(results), "results": results}
 
 

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
 from scheduler_svc.core import RETRACT_ABORT_MESSAGE
+from scheduler_svc.launch import Launcher
 from tests.procs import REPO, start_stack
 
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
@@ -73,11 +75,29 @@ def assert_idle(stack) -> None:
         mem.check(idle=True)
 
 
-def test_article_scenario_retract_is_transparent(launcher, checkpoint) -> None:
-    """A pool of 256 tokens; one request of ~0.85 of it plus shorter ones."""
+def reference_run(checkpoint: Path, pool: list[str], reqs, **stack_options) -> dict:
+    """``reqs`` through a normal stack of its own (stopped after): the results by rid.
+
+    The stack ends idle (checked). ``stack_options`` go to ``start_normal_stack``.
+    """
+    with tempfile.TemporaryDirectory() as tmp, Launcher(tmp) as up:
+        mem, _, sched = up.start_normal_stack(checkpoint, pool, **stack_options)
+        results = run_all(sched.address, reqs)
+        with MemClient(mem.address) as client:
+            client.check(idle=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def article(checkpoint) -> dict:
+    """The article's scenario (one request of ~0.85 of a 256-token pool plus shorter
+    ones) and its outputs on a pool large enough that nothing is retracted."""
     reqs = workload(seed=1, count=6, long_len=200)
-    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
-    want = run_all(reference.scheduler.address, reqs)
+    return {"reqs": reqs, "results": reference_run(checkpoint, BIG_POOL, reqs)}
+
+
+def test_article_scenario_retract_is_transparent(launcher, checkpoint, article) -> None:
+    reqs, want = article["reqs"], article["results"]
     # A low conservativeness admits on optimistic output estimates: memory runs out mid-decode.
     pressure = start_stack(
         launcher,
@@ -95,16 +115,13 @@ def test_article_scenario_retract_is_transparent(launcher, checkpoint) -> None:
     with GenerateClient(pressure.scheduler.address) as client:
         stats = client.info()["stats"]
     assert stats["retracted_reqs"] == retractions and stats["reprefilled_tokens"] > 0
-    assert_idle(reference)
     assert_idle(pressure)
 
 
-def test_offload_retract_with_async_copies_is_transparent(launcher, checkpoint) -> None:
+def test_offload_retract_with_async_copies_is_transparent(launcher, checkpoint, article) -> None:
     """Every victim offloaded, memsvc's copies asynchronous (the cuda default, here on
     the shm copy thread): freed pages wait for their copy, outputs are unchanged."""
-    reqs = workload(seed=1, count=6, long_len=200)
-    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
-    want = run_all(reference.scheduler.address, reqs)
+    reqs, want = article["reqs"], article["results"]
     pressure = start_stack(
         launcher,
         checkpoint,
@@ -118,7 +135,6 @@ def test_offload_retract_with_async_copies_is_transparent(launcher, checkpoint) 
         stats = client.info()["stats"]
     assert stats["retracted_reqs"] > 0 and stats["reprefilled_tokens"] == 0
     assert stats["offloaded_tokens"] > 0 and stats["loaded_tokens"] == stats["offloaded_tokens"]
-    assert_idle(reference)
     assert_idle(pressure)
 
 
