@@ -73,7 +73,8 @@ def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, check
         checkpoint,
         POOL,
         PD_SCHEDULER,
-        decode_pool=SMALL_DECODE,
+        # asynchronous offload copies, as on a GPU: freed pages wait for their copy
+        decode_pool=[*SMALL_DECODE, "--offload-copy", "async"],
         decode_scheduler=PRESSURE,
         transfer_backend="nixl",
     )
