@@ -32,13 +32,8 @@ from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
-from scheduler_svc.http_front import (
-    ServeError,
-    StreamText,
-    merge_metrics,
-    parse_metrics,
-    start_stack,
-)
+from scheduler_svc.http_api import StreamText, merge_metrics, parse_metrics
+from scheduler_svc.http_front import ServeError, start_stack
 from tests.procs import REPO
 
 CAPACITY = 1024
