@@ -21,7 +21,7 @@ import sys
 SUBCOMMANDS = {
     "demo": ("scheduler_svc.demo", "run the main job: normal and PD stacks under KV pressure"),
     "serve": ("scheduler_svc.http_front", "serve the stack over SGLang's HTTP API"),
-    "up": ("scheduler_svc.supervisor", "start one stack and restart what dies"),
+    "up": ("scheduler_svc.supervisor_cli", "start one stack and restart what dies"),
     "status": ("scheduler_svc.supervisor_status", "show the processes of a running stack"),
     "sim": ("scheduler_svc.sim.cli", "simulate scheduling policies on a workload"),
 }

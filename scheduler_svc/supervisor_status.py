@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.supervisor import STATE_FILE, check, pid_alive
+from scheduler_svc.health import check
+from scheduler_svc.supervisor import STATE_FILE
+from scheduler_svc.supervisor_cli import pid_alive
 
 EXIT_UNHEALTHY = 1
 EXIT_NO_STACK = 2

@@ -64,13 +64,8 @@ from typing import Any
 from memsvc.client import MemClient
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
-from scheduler_svc.supervisor import (
-    RestartPolicy,
-    StackOptions,
-    Supervisor,
-    normal_stack,
-    pd_stack,
-)
+from scheduler_svc.stack_spec import StackOptions, normal_stack, pd_stack
+from scheduler_svc.supervisor import RestartPolicy, Supervisor
 from tests.faults.proxy import FaultPlan, FaultProxy
 
 PAGE_SIZE = 4

@@ -22,15 +22,13 @@ import pytest
 
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from scheduler_svc.client import GenerateClient
-from scheduler_svc.supervisor import (
-    STATE_FILE,
+from scheduler_svc.stack_spec import (
     ProcessSpec,
-    RestartPolicy,
     StackOptions,
     StackUnavailableError,
-    Supervisor,
     build_process_list,
 )
+from scheduler_svc.supervisor import STATE_FILE, RestartPolicy, Supervisor
 from tests.procs import REPO
 
 pytestmark = pytest.mark.timeout(600)

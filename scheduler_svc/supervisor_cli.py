@@ -1,0 +1,185 @@
+"""``kvstack up``: build the process list for a mode and supervise it until a signal.
+
+See :mod:`scheduler_svc.stack_spec` for what runs and
+:mod:`scheduler_svc.supervisor` for how it is kept running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from memsvc.cli import LOG_FORMAT
+from scheduler_svc.stack_spec import StackOptions, StackUnavailableError, build_process_list
+from scheduler_svc.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
+
+log = logging.getLogger("kvstack.supervisor")
+
+
+def default_run_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix="kvstack-up-", dir=base))
+
+
+def prepare_run_dir(path: str | None) -> Path:
+    """The run directory: a fresh one, or ``path`` if no live supervisor uses it."""
+    if path is None:
+        return default_run_dir()
+    run_dir = Path(path).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads((run_dir / STATE_FILE).read_text())
+        pid = state.get("supervisor_pid")
+        if state.get("status") not in ("stopped", "failed") and pid and pid_alive(pid):
+            raise StackUnavailableError(f"a stack already runs in {run_dir} (supervisor pid {pid})")
+    return run_dir
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mode",
+        choices=["normal", "pd"],
+        default="normal",
+        help="normal: memsvc + model_svc + scheduler_svc; pd: a prefill node, a decode node "
+        "(each memsvc + model_svc + scheduler) and the router",
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="where sockets, logs and state.json go (default: a fresh folder under "
+        "$XDG_RUNTIME_DIR or /tmp)",
+    )
+    parser.add_argument(
+        "--checkpoint", default=None, help="model checkpoint (default: the bundled tiny model)"
+    )
+    pool = parser.add_argument_group("memsvc pool (must match the model)")
+    for flag in ("--page-size", "--num-pages", "--max-running-requests", "--max-context-len"):
+        pool.add_argument(flag, type=int, default=None, help=f"memsvc {flag}")
+    pd = parser.add_argument_group("PD mode")
+    pd.add_argument(
+        "--transfer-backend",
+        choices=["auto", "nixl", "zmq"],
+        default="auto",
+        help="how the memsvc pair moves KV pages (memsvc --transfer-backend)",
+    )
+    pd.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=None,
+        help="seconds without a word from the peer memsvc before its transfers fail "
+        "(None: memsvc's own default)",
+    )
+    extra = parser.add_argument_group(
+        "more flags for one service (repeat for each; PD: memsvc and scheduler flags go to both "
+        "nodes)"
+    )
+    for name in ("memsvc", "model", "scheduler", "router"):
+        extra.add_argument(
+            f"--{name}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"pass ARG to {name} (e.g. --{name}-arg=--log-level=DEBUG)",
+        )
+    sup = parser.add_argument_group("supervision")
+    sup.add_argument("--backoff-initial", type=float, default=0.5, help="first restart delay (s)")
+    sup.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay (s)")
+    sup.add_argument(
+        "--stable-after",
+        type=float,
+        default=30.0,
+        help="a process up this long (s) restarts at the first delay again",
+    )
+    sup.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a start may take")
+    sup.add_argument(
+        "--health-interval", type=float, default=5.0, help="seconds between health checks"
+    )
+    sup.add_argument(
+        "--health-timeout", type=float, default=3.0, help="seconds one health check may take"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="supervisor log verbosity (the services log at their default)",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> StackOptions:
+    pool = []
+    for name in ("page_size", "num_pages", "max_running_requests", "max_context_len"):
+        value = getattr(args, name)
+        if value is not None:
+            pool += [f"--{name.replace('_', '-')}", str(value)]
+    return StackOptions(
+        checkpoint=args.checkpoint,
+        memsvc_args=[*pool, *args.memsvc_arg],
+        model_args=list(args.model_arg),
+        scheduler_args=list(args.scheduler_arg),
+        router_args=list(args.router_arg),
+        transfer_backend=args.transfer_backend,
+        transfer_timeout=args.transfer_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    try:
+        run_dir = prepare_run_dir(args.run_dir)
+        specs = build_process_list(args.mode, run_dir, options_from_args(args))
+    except StackUnavailableError as exc:
+        print(f"kvstack up: error: {exc}", file=sys.stderr)
+        return 2
+    handler = logging.FileHandler(run_dir / "supervisor.log")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    supervisor = Supervisor(
+        specs,
+        run_dir,
+        mode=args.mode,
+        policy=RestartPolicy(
+            args.backoff_initial, args.backoff_max, args.stable_after, args.ready_timeout
+        ),
+        health_timeout_s=args.health_timeout,
+        health_interval_s=args.health_interval,
+        new_session=True,
+        die_with_parent=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        supervisor.start(stop=stop)
+    except SupervisorError as exc:
+        print(f"kvstack up: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"kvstack up: {args.mode} stack running in {run_dir}; generate API at "
+            f"{supervisor.address(specs[-1].name)}; `kvstack status --run-dir {run_dir}`",
+            flush=True,
+        )
+        supervisor.serve(stop)
+        log.info("stopping the stack")
+    finally:
+        supervisor.stop()
+    print("kvstack up: stopped", flush=True)
+    return 0
