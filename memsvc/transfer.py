@@ -27,7 +27,6 @@ Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,12 +40,12 @@ import zmq
 from memsvc.core.backends.base import aligned_pages
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
+from memsvc.movers import NixlMover, ZmqMover, pack_frames
 
 log = logging.getLogger("memsvc.transfer")
 
 HELLO_INTERVAL_S = 0.5
 QUERY_RETRY_S = (0.002, 0.1)  # first and longest wait between queries for a room not yet expected
-CHUNK_PAGES = 64  # pages per zmq data frame
 TRANSFER_BACKENDS = ("nixl", "zmq")
 
 
@@ -62,13 +61,6 @@ def page_geometry(pool: KVPool) -> list[Any]:
     """What must agree between two pools for their pages to be interchangeable."""
     layout = pool.buffers.layout
     return [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype]
-
-
-def _pack(header: dict[str, Any], payload: bytes | memoryview | None = None) -> list:
-    frames: list = [msgpack.packb(header, use_bin_type=True)]
-    if payload is not None:
-        frames.append(payload)
-    return frames
 
 
 @dataclass
@@ -105,105 +97,6 @@ class Room:
             "first_token": self.first_token,
             "cached_tokens": self.cached_tokens,
         }
-
-
-class NixlMover:
-    """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool.
-
-    A shm pool is registered as DRAM; a cuda pool (cupy) as VRAM on its
-    device, so pages go GPU to GPU (UCX's CUDA transports, NVLink or RDMA
-    where present) without staging through host memory.
-    """
-
-    name = "nixl"
-
-    def __init__(self, pool: KVPool, agent_name: str) -> None:
-        try:
-            from nixl_cu12 import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise InvalidArgumentError(
-                "--transfer-backend nixl needs the nixl-cu12 wheel "
-                "(pip install 'kvstack[nixl]'), or use --transfer-backend zmq"
-            ) from exc
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
-        kv = pool.buffers.kv
-        if isinstance(kv, np.ndarray):
-            self.base, self.mem, self.device = int(kv.ctypes.data), "DRAM", 0
-        else:  # a cupy array on the GPU
-            self.base, self.mem = int(kv.data.ptr), "VRAM"
-            self.device = int(pool.buffers.device)
-        self.page_bytes = pool.buffers.layout.bytes_per_page
-        self.agent.register_memory([(self.base, kv.nbytes, self.device, "")], self.mem)
-        self._remotes: dict[str, str] = {}
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "agent": self.agent.name,
-            "meta": self.agent.get_agent_metadata(),
-            "base": self.base,
-            "mem": self.mem,
-            "device": self.device,
-        }
-
-    def _descs(self, base: int, pages: np.ndarray, device: int) -> np.ndarray:
-        descs = np.zeros((pages.size, 3), dtype=np.uint64)
-        descs[:, 0] = base + pages.astype(np.uint64) * self.page_bytes
-        descs[:, 1] = self.page_bytes
-        descs[:, 2] = device
-        return descs
-
-    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
-        name = dest["agent"]
-        if name not in self._remotes:
-            self._remotes[name] = self.agent.add_remote_agent(dest["meta"])
-        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages, self.device), self.mem)
-        remote = self.agent.get_xfer_descs(
-            self._descs(int(dest["base"]), dst_pages, int(dest.get("device", 0))),
-            dest.get("mem", "DRAM"),
-        )
-        room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
-        if self.agent.transfer(room.handle) == "ERR":
-            raise RuntimeError("NIXL refused to post the transfer")
-
-    def poll(self, room: Room) -> str:
-        state = self.agent.check_xfer_state(room.handle)
-        if state != "PROC":
-            self.agent.release_xfer_handle(room.handle)
-            room.handle = None
-        return state
-
-    def close(self) -> None:
-        for name in self._remotes.values():
-            with contextlib.suppress(Exception):  # best effort on the way out
-                self.agent.remove_remote_agent(name)
-
-
-class ZmqMover:
-    """Pages as raw bytes frames on the peer socket (the fallback without NIXL)."""
-
-    name = "zmq"
-
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-
-    def describe(self) -> dict[str, Any]:
-        return {}
-
-    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
-        buffers = self.pool.buffers
-        page_shape = buffers.layout.kv_shape[1:]
-        for start in range(0, room.pages.size, CHUNK_PAGES):
-            chunk = room.pages[start : start + CHUNK_PAGES]
-            # one gather into the frame (device to host on the cuda backend)
-            payload = np.empty((chunk.size, *page_shape), buffers.layout.storage_dtype)
-            buffers.gather_pages(chunk, payload)
-            peer.send_multipart(_pack({"t": "data", "room": room.room, "start": start}, payload))
-
-    def poll(self, room: Room) -> str:
-        return "DONE"
-
-    def close(self) -> None:
-        pass
 
 
 class TransferAgent:
@@ -275,7 +168,7 @@ class TransferAgent:
         wake = 0.25
         if self.role == "prefill":
             if now >= self.next_hello:
-                self.sock.send_multipart(_pack({"t": "hello"}))
+                self.sock.send_multipart(pack_frames({"t": "hello"}))
                 self.next_hello = now + HELLO_INTERVAL_S
             for room in list(self.rooms.values()):
                 wake = min(wake, self._advance_send(room, now))
@@ -333,7 +226,10 @@ class TransferAgent:
                     room.cached_tokens = int(header.get("cached_tokens", 0))
                 self._finish(room, None if ok else why)
             self.sock.send_multipart(
-                [identity, *_pack({"t": "ack", "room": header.get("room"), "ok": ok, "why": why})]
+                [
+                    identity,
+                    *pack_frames({"t": "ack", "room": header.get("room"), "ok": ok, "why": why}),
+                ]
             )
         elif kind == "abort" and room is not None:
             self._finish(room, f"prefill side gave up: {header.get('why', '')}")
@@ -366,7 +262,7 @@ class TransferAgent:
                 "geometry": page_geometry(self.pool),
                 "mover": self.mover.describe(),
             }
-        self.sock.send_multipart([identity, *_pack(reply)])
+        self.sock.send_multipart([identity, *pack_frames(reply)])
 
     def _receive_data(self, room: Room | None, start: int, payload: list[bytes]) -> None:
         if room is None or room.state is not KVPoll.TRANSFERRING or len(payload) != 1:
@@ -431,7 +327,9 @@ class TransferAgent:
         self._query(room, now)
 
     def _query(self, room: Room, now: float) -> None:
-        self.sock.send_multipart(_pack({"t": "query", "room": room.room, "rid": room.peer_rid}))
+        self.sock.send_multipart(
+            pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid})
+        )
         room.next_query = now + room.query_wait
         room.query_wait = min(room.query_wait * 2, QUERY_RETRY_S[1])
 
@@ -497,7 +395,7 @@ class TransferAgent:
     def _send_done(self, room: Room, now: float) -> None:
         room.waiting_since = now
         self.sock.send_multipart(
-            _pack(
+            pack_frames(
                 {
                     "t": "done",
                     "room": room.room,
@@ -510,7 +408,7 @@ class TransferAgent:
         )
 
     def _abort_send(self, room: Room, why: str) -> None:
-        self.sock.send_multipart(_pack({"t": "abort", "room": room.room, "why": why}))
+        self.sock.send_multipart(pack_frames({"t": "abort", "room": room.room, "why": why}))
         self._finish(room, why)
 
     # -- both ----------------------------------------------------------------------
@@ -524,7 +422,7 @@ class TransferAgent:
             if room.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
                 if self.role == "prefill":
                     self.sock.send_multipart(
-                        _pack({"t": "abort", "room": room_id, "why": "cancelled"})
+                        pack_frames({"t": "abort", "room": room_id, "why": "cancelled"})
                     )
                 self.counters["failed"] += 1
 

@@ -1,0 +1,133 @@
+"""How KV pages move from memsvc-P's pool to memsvc-D's, once the room is agreed.
+
+Two movers with one interface (``describe`` for the decode side's ready
+message, ``start`` a room's pages, ``poll`` until done, ``close``):
+:class:`NixlMover` (memsvc-P WRITEs straight into memsvc-D's registered pool)
+and :class:`ZmqMover` (the pages as raw bytes frames on the peer socket).
+The rooms and the protocol around them are :mod:`memsvc.transfer`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.core.pool import KVPool
+
+if TYPE_CHECKING:
+    from memsvc.transfer import Room
+
+CHUNK_PAGES = 64  # pages per zmq data frame
+
+
+def pack_frames(header: dict[str, Any], payload: bytes | memoryview | None = None) -> list:
+    """A msgpack header frame, and the payload frame (raw bytes) if there is one."""
+    frames: list = [msgpack.packb(header, use_bin_type=True)]
+    if payload is not None:
+        frames.append(payload)
+    return frames
+
+
+class NixlMover:
+    """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool.
+
+    A shm pool is registered as DRAM; a cuda pool (cupy) as VRAM on its
+    device, so pages go GPU to GPU (UCX's CUDA transports, NVLink or RDMA
+    where present) without staging through host memory.
+    """
+
+    name = "nixl"
+
+    def __init__(self, pool: KVPool, agent_name: str) -> None:
+        try:
+            from nixl_cu12 import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise InvalidArgumentError(
+                "--transfer-backend nixl needs the nixl-cu12 wheel "
+                "(pip install 'kvstack[nixl]'), or use --transfer-backend zmq"
+            ) from exc
+        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        kv = pool.buffers.kv
+        if isinstance(kv, np.ndarray):
+            self.base, self.mem, self.device = int(kv.ctypes.data), "DRAM", 0
+        else:  # a cupy array on the GPU
+            self.base, self.mem = int(kv.data.ptr), "VRAM"
+            self.device = int(pool.buffers.device)
+        self.page_bytes = pool.buffers.layout.bytes_per_page
+        self.agent.register_memory([(self.base, kv.nbytes, self.device, "")], self.mem)
+        self._remotes: dict[str, str] = {}
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "agent": self.agent.name,
+            "meta": self.agent.get_agent_metadata(),
+            "base": self.base,
+            "mem": self.mem,
+            "device": self.device,
+        }
+
+    def _descs(self, base: int, pages: np.ndarray, device: int) -> np.ndarray:
+        descs = np.zeros((pages.size, 3), dtype=np.uint64)
+        descs[:, 0] = base + pages.astype(np.uint64) * self.page_bytes
+        descs[:, 1] = self.page_bytes
+        descs[:, 2] = device
+        return descs
+
+    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+        name = dest["agent"]
+        if name not in self._remotes:
+            self._remotes[name] = self.agent.add_remote_agent(dest["meta"])
+        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages, self.device), self.mem)
+        remote = self.agent.get_xfer_descs(
+            self._descs(int(dest["base"]), dst_pages, int(dest.get("device", 0))),
+            dest.get("mem", "DRAM"),
+        )
+        room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
+        if self.agent.transfer(room.handle) == "ERR":
+            raise RuntimeError("NIXL refused to post the transfer")
+
+    def poll(self, room: Room) -> str:
+        state = self.agent.check_xfer_state(room.handle)
+        if state != "PROC":
+            self.agent.release_xfer_handle(room.handle)
+            room.handle = None
+        return state
+
+    def close(self) -> None:
+        for name in self._remotes.values():
+            with contextlib.suppress(Exception):  # best effort on the way out
+                self.agent.remove_remote_agent(name)
+
+
+class ZmqMover:
+    """Pages as raw bytes frames on the peer socket (the fallback without NIXL)."""
+
+    name = "zmq"
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+        buffers = self.pool.buffers
+        page_shape = buffers.layout.kv_shape[1:]
+        for start in range(0, room.pages.size, CHUNK_PAGES):
+            chunk = room.pages[start : start + CHUNK_PAGES]
+            # one gather into the frame (device to host on the cuda backend)
+            payload = np.empty((chunk.size, *page_shape), buffers.layout.storage_dtype)
+            buffers.gather_pages(chunk, payload)
+            peer.send_multipart(
+                pack_frames({"t": "data", "room": room.room, "start": start}, payload)
+            )
+
+    def poll(self, room: Room) -> str:
+        return "DONE"
+
+    def close(self) -> None:
+        pass
