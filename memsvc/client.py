@@ -130,7 +130,11 @@ class _Session:
         self.layout: PoolLayout | None = None
         self.handle: dict[str, Any] | None = None
         self.hello_info: dict[str, Any] = {}
-        self.sizes: PoolSizes | None = None
+        # The last reply's sizes, raw: PoolSizes is built only when read, and
+        # kept with the tuple it was built from (each field is set atomically,
+        # so a heartbeat thread's reply never pairs with a stale PoolSizes).
+        self._sizes: tuple[int, int, int, int] | None = None
+        self._built_sizes: tuple[tuple[int, int, int, int], PoolSizes] | None = None
         self._op_ids = itertools.count(1)
 
     def new_socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -157,18 +161,21 @@ class _Session:
         self.hello_info = header
 
     def finish(self, call: _Call, header: dict[str, Any]) -> Any:
-        arrays = {
-            name: header.pop(name) for name in list(header) if isinstance(header[name], np.ndarray)
-        }
+        arrays = {name: value for name, value in header.items() if type(value) is np.ndarray}
+        for name in arrays:
+            del header[name]
         epoch = header.get("epoch")
-        if call.op != "hello" and self.epoch is not None and epoch != self.epoch:
+        if epoch != self.epoch and self.epoch is not None and call.op != "hello":
             raise EpochChangedError(
                 f"memsvc at {self.address} restarted (epoch {self.epoch} -> {epoch}): its pool "
                 "is empty and this session is gone; reconnect and treat held KV as lost",
                 epoch,
             )
-        self.sizes = PoolSizes(
-            header["available"], header["evictable"], header["protected"], header["host_free"]
+        self._sizes = (
+            header["available"],
+            header["evictable"],
+            header["protected"],
+            header["host_free"],
         )
         if not header.get("ok"):
             code, message = header.get("code", "internal"), header.get("message", "")
@@ -177,6 +184,16 @@ class _Session:
                 raise RequestRejectedError(code, message)
             raise cls(message)
         return call.parse(header, arrays)
+
+    @property
+    def sizes(self) -> PoolSizes | None:
+        """The pool's sizes as of the last reply."""
+        raw, built = self._sizes, self._built_sizes
+        if raw is None:
+            return None
+        if built is None or built[0] is not raw:
+            built = self._built_sizes = (raw, PoolSizes(*raw))
+        return built[1]
 
     def dead(self, call: _Call) -> PeerDeadError:
         return PeerDeadError(
@@ -220,6 +237,7 @@ class MemClient(_Client):
         self._state = _Session(address, role, name, lease_s, timeout_s, retries, curve)
         self._ctx = zmq.Context()
         self._sock = self._state.new_socket(self._ctx)
+        self._requester = rpc.Requester(self._sock)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         try:
@@ -234,23 +252,24 @@ class MemClient(_Client):
             self._heartbeat_thread.start()
 
     def _invoke(self, call: _Call) -> Any:
-        return self._roundtrip(self._sock, call)
+        return self._roundtrip(self._requester, call)
 
-    def _roundtrip(self, sock: zmq.Socket, call: _Call) -> Any:
+    def _roundtrip(self, requester: rpc.Requester, call: _Call) -> Any:
         state = self._state
         op_id, frames = state.frames(call)
         try:
-            header = rpc.request(sock, frames, op_id, state.timeout_s, state.retries)
+            header = requester.request(frames, op_id, state.timeout_s, state.retries)
         except rpc.NoReplyError:
             raise state.dead(call) from None
         return state.finish(call, header)
 
     def _heartbeat_loop(self) -> None:
         sock = self._state.new_socket(self._ctx)  # sockets are not thread-safe
+        requester = rpc.Requester(sock)
         try:
             while not self._stop.wait(self._state.lease_s / 3):
                 with contextlib.suppress(errors.MemsvcError):
-                    self._roundtrip(sock, _Call("heartbeat", {}, None, _nothing))
+                    self._roundtrip(requester, _Call("heartbeat", {}, None, _nothing))
         finally:
             sock.close(0)
 

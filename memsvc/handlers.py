@@ -72,12 +72,11 @@ class MemService:
 
     def handle(self, frames: list[bytes], now: float | None = None) -> list[bytes]:
         """Answer one request. Never raises: every failure is an error reply."""
-        now = time.monotonic() if now is None else now
         started = time.perf_counter()
         op = "invalid"
         op_id = None
         try:
-            size = sum(len(f) for f in frames)
+            size = sum(map(len, frames))
             if size > self.config.max_message_bytes:
                 raise p.ProtocolError(
                     "too_large",
@@ -85,6 +84,7 @@ class MemService:
                 )
             msg = p.parse_request(frames)
             op, op_id = msg.op, msg.op_id
+            now = time.monotonic() if now is None else now
             if op == "hello":
                 reply = self._pack_ok(op_id, *self._hello(msg, now))
             else:
@@ -109,6 +109,7 @@ class MemService:
             return self._pack_error(op, op_id, "internal", f"{type(exc).__name__}: {exc}", started)
 
     def _sizes(self) -> dict[str, Any]:
+        """What every reply carries: the epoch and the pool's sizes (all O(1) reads)."""
         pool = self.pool
         return {
             "epoch": self.epoch,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,8 +44,9 @@ class RetractReply:
     last_does_not_fit: bool
 
 
-@dataclass(frozen=True)
-class _Call:
+class _Call(NamedTuple):
+    """One request to make (a NamedTuple: built on every call, it must be cheap)."""
+
     op: str
     fields: dict[str, Any]
     arrays: dict[str, np.ndarray] | None
@@ -53,7 +54,8 @@ class _Call:
 
 
 def _as_array(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=p.ARRAY_DTYPE).reshape(-1)
+    array = np.ascontiguousarray(values, dtype=p.ARRAY_DTYPE)
+    return array if array.ndim == 1 else array.reshape(-1)
 
 
 def _alloc_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> AllocResult:

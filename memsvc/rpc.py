@@ -35,25 +35,53 @@ def dealer(ctx: zmq.Context, address: str, curve: Any | None = None) -> zmq.Sock
     return sock
 
 
+class Requester:
+    """:func:`request` over one DEALER socket, remembering the receive timeout it set.
+
+    The timeout only changes on a retry or after a stale reply, so the hot
+    path is a send and one blocking receive, without a ``setsockopt`` each
+    time. Not thread-safe (nor is the socket).
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self._rcvtimeo_ms: int | None = None
+
+    def _wait_at_most(self, seconds: float) -> None:
+        ms = max(1, int(seconds * 1000))
+        if ms != self._rcvtimeo_ms:
+            self.sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._rcvtimeo_ms = ms
+
+    def request(
+        self, frames: list[bytes], op_id: int, timeout_s: float, retries: int
+    ) -> dict[str, Any]:
+        """Send ``frames`` and return the decoded reply to ``op_id``."""
+        sock = self.sock
+        for _ in range(retries + 1):
+            sock.send_multipart(frames)
+            deadline = time.monotonic() + timeout_s
+            left = timeout_s
+            while left > 0:
+                # A blocking recv with a timeout: one wait, not a poll and then a recv.
+                self._wait_at_most(left)
+                try:
+                    header = p.unpack(sock.recv_multipart())
+                except zmq.Again:
+                    break
+                except p.ProtocolError:
+                    header = None  # damaged in transit is no reply: keep waiting, then retry
+                if header is not None and header.get("op_id") == op_id:
+                    return header
+                left = deadline - time.monotonic()
+        raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")
+
+
 def request(
     sock: zmq.Socket, frames: list[bytes], op_id: int, timeout_s: float, retries: int
 ) -> dict[str, Any]:
     """Send ``frames`` and return the decoded reply to ``op_id``."""
-    for _ in range(retries + 1):
-        sock.send_multipart(frames)
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            # A blocking recv with a timeout: one wait, not a poll and then a recv.
-            sock.setsockopt(zmq.RCVTIMEO, max(1, int(left * 1000)))
-            try:
-                header = p.unpack(sock.recv_multipart())
-            except zmq.Again:
-                break
-            except p.ProtocolError:
-                continue  # a reply damaged in transit is no reply: keep waiting, then retry
-            if header.get("op_id") == op_id:
-                return header
-    raise NoReplyError(f"no reply within {retries + 1} x {timeout_s:.1f}s")
+    return Requester(sock).request(frames, op_id, timeout_s, retries)
 
 
 async def request_async(

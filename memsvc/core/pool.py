@@ -107,6 +107,7 @@ class KVPool:
         self.rows_generation = 0
         self._row_scratch = np.zeros(self.table.num_rows, dtype=np.int64)
         self._positions = np.arange(self.table.num_rows, dtype=np.int64)
+        self._decode_step_flags = self._build_decode_step_flags()
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -262,8 +263,27 @@ class KVPool:
         rows = np.array([self.request(rid).row for rid in rids], dtype=np.int64)
         return self.alloc_decode_rows(rows, evict=evict)
 
+    # What a decode step does to one request (see _build_decode_step_flags).
+    _FILLS_PAGE, _OPENS_PAGE, _PAST_MAX_LEN = 0, 1, 2
+
     def decode_tokens_required_rows(self, rows: np.ndarray) -> int:
         return self.page_size * int((self._kv_lens[rows] % self.page_size == 0).sum())
+
+    def _build_decode_step_flags(self) -> np.ndarray:
+        """What a decode step does to a request of each ``kv_len`` (0..max_context_len).
+
+        ``_FILLS_PAGE``, ``_OPENS_PAGE`` (``kv_len % page_size == 0``) or
+        ``_PAST_MAX_LEN``. One gather from this table classifies a whole batch:
+        on the decode hot path it replaces a modulo, a count and a max, each a
+        trip through numpy's ufunc machinery, which costs several microseconds
+        with the caches cold (as they are when a request wakes the service).
+        """
+        max_len = self.table.max_context_len
+        lengths = np.arange(max_len + 1)
+        flags = np.where(lengths % self.page_size == 0, self._OPENS_PAGE, self._FILLS_PAGE)
+        flags = flags.astype(np.uint8)
+        flags[max_len] = self._PAST_MAX_LEN
+        return flags
 
     def alloc_decode_rows(
         self, rows: np.ndarray, *, evict: bool = True, rows_checked: bool = False
@@ -275,33 +295,38 @@ class KVPool:
             kv_len % page_size == 0  ->  a fresh page, slot page * page_size
             otherwise                ->  the slot after the previous position's
 
-        The hot path of a decode step: few numpy calls, no per-request Python.
-        ``rows_checked`` skips :meth:`check_rows` when the caller just ran it.
+        The hot path of a decode step: a fixed handful of numpy calls over the
+        batch, no per-request Python. ``rows_checked`` skips :meth:`check_rows`
+        when the caller just ran it.
         """
         if not rows_checked:
             rows = self.check_rows(rows)
         kv_lens = self._kv_lens[rows]
-        if rows.size and kv_lens.max() >= self.table.max_context_len:
+        # One byte per request (see _build_decode_step_flags), read with bytes methods.
+        flags = self._decode_step_flags.take(kv_lens, mode="clip")
+        flag_bytes = flags.tobytes()
+        if self._PAST_MAX_LEN in flag_bytes:
             raise InvalidArgumentError(
                 f"a request would exceed max_context_len {self.table.max_context_len}"
             )
-        opens_page = kv_lens % self.page_size == 0
-        num_pages = int(np.count_nonzero(opens_page))
-        if evict and num_pages * self.page_size > self.allocator.available_size():
-            self.ensure_available(num_pages * self.page_size)
+        num_pages = flag_bytes.count(self._OPENS_PAGE)
+        page_size = self.page_size
+        if evict and num_pages * page_size > self.allocator.available_size():
+            self.ensure_available(num_pages * page_size)
         if num_pages == rows.size:  # page_size 1, or every request at a page boundary
             pages = self.allocator.alloc_pages(num_pages, owner=rows)
             if pages is None:
                 return None
-            slots = pages * self.page_size
+            slots = pages * page_size
         else:
             # kv_len 0 always opens a page, so index -1 below is overwritten
-            slots = self.table.array[rows, kv_lens - 1].astype(SLOT_DTYPE) + 1
+            slots = np.add(self.table.array[rows, kv_lens - 1], 1, dtype=SLOT_DTYPE)
             if num_pages:
+                opens_page = flags.view(np.bool_)  # flags are 0 / 1 here
                 pages = self.allocator.alloc_pages(num_pages, owner=rows[opens_page])
                 if pages is None:
                     return None
-                slots[opens_page] = pages * self.page_size
+                slots[opens_page] = pages * page_size
         self.table.write_cells(rows, kv_lens, slots)
         self._kv_lens[rows] = kv_lens + 1
         return slots
