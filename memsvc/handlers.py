@@ -227,6 +227,8 @@ class MemService:
             "host_store_used_bytes": pool.host_store.used_bytes,
             "host_store_free_bytes": pool.host_store.free_bytes,
             "host_store_entries": len(pool.host_store),
+            # freed pages an offload copy may still read (counted in available)
+            "pending_pages": pool.allocator.num_pending_pages,
             "sessions": len(self.sessions),
             "transfer": self.transfer.stats() if self.transfer else None,
             "counters": self.metrics.counters(),

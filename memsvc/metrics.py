@@ -153,3 +153,8 @@ class _Collector:
         yield host
         yield gauge("memsvc_sessions", "Live sessions", value=len(service.sessions))
         yield gauge("memsvc_open_requests", "Requests holding a row", value=len(pool.open_rids()))
+        yield gauge(
+            "memsvc_pending_pages",
+            "Freed pages waiting for an offload copy that may still read them",
+            value=pool.allocator.num_pending_pages,
+        )

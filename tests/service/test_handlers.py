@@ -237,3 +237,35 @@ def test_rows_run_out_gives_an_error_not_a_crash(service) -> None:
     assert reply["code"] == "out_of_rows"
     assert c.ok("goodbye")["reclaimed"] == ["r0", "r1", "r2", "r3"]
     service.pool.check_integrity(idle=True)
+
+
+def test_async_offload_pending_pages_in_stats_and_load_waits_for_the_copy() -> None:
+    """With asynchronous offload a retract's victim pages show as pending (and
+    available) until the copy ends; a load of the victim waits for it."""
+    from tests.core.test_async_offload import gate_copies
+
+    layout = small_layout(page_size=4, num_pages=16, max_running_requests=4)
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes, async_offload=True)
+    try:
+        gate = gate_copies(pool)
+        c = Caller(MemService(pool, ServiceConfig(retract_decode_steps=20)))
+        c.hello()
+        rows = [c.ok("alloc_row", rid=rid)["row"] for rid in ("keep", "victim")]
+        c.ok("alloc_extend", {"num_tokens": ids(8, 24)}, rids=["keep", "victim"])
+        data = np.random.default_rng(0).standard_normal((24, 2, 2, 2, 8)).astype(np.float16)
+        pool.buffers.write_slots(pool.slots("victim"), data)
+        retract = c.ok("retract", {"rows": ids(*rows)}, mode="offload")
+        assert retract["retracted"] == ["victim"]
+        stats = c.ok("stats")
+        assert stats["pending_pages"] == 6 and stats["available"] == 64 - 8
+        gate.set()
+        c.ok("alloc_row", rid="victim")
+        loaded = c.ok("load", rid="victim")
+        assert pool.buffers.read_slots(loaded["slots"]).tobytes() == data.tobytes()
+        for rid in ("keep", "victim"):
+            c.ok("release", rid=rid, is_insert=False)
+        pool.settle_copies()
+        assert c.ok("stats")["pending_pages"] == 0
+        c.ok("check", idle=True)
+    finally:
+        pool.close()
