@@ -92,13 +92,13 @@ def make_workload(args: argparse.Namespace, round_index: int) -> list[Request]:
     return reqs
 
 
-def pool_args(num_pages: int) -> list[str]:
+def pool_args(num_pages: int, max_context_len: int = MAX_CONTEXT_LEN) -> list[str]:
     """memsvc pool flags past the tiny model's geometry (which the launcher adds)."""
     return [
         "--page-size", str(PAGE_SIZE),
         "--num-pages", str(num_pages),
         "--max-running-requests", str(MAX_RUNNING_REQUESTS),
-        "--max-context-len", str(MAX_CONTEXT_LEN),
+        "--max-context-len", str(max_context_len),
     ]  # fmt: skip
 
 

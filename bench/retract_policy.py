@@ -1,18 +1,41 @@
 """Retract modes head to head: goodput and p99 latency of recompute, offload and auto.
 
 Three real normal-mode stacks (memsvc, model_svc on the tiny checkpoint,
-scheduler_svc) with the same pool, oversubscribed ``--pressure`` times by a
-seeded workload of long and short requests (``bench/retract_normal.py``'s),
-and the same scheduler flags except ``--retract-mode``. Each stack serves
-``--rounds`` workloads, one stack at a time, the order rotating between
-rounds so drift on a noisy machine hits all alike.
+scheduler_svc), one per ``--retract-mode``, with the same pool and the same
+scheduler flags otherwise. Each stack serves ``--rounds`` workloads, one
+stack at a time, the order rotating between rounds so drift on a noisy
+machine hits all alike. A warm-up request per stack comes first, untimed.
+
+The workload (seeded; every figure is in the JSON's ``workload``) is a
+pressure workload: the case where what a victim's KV becomes matters.
+
+- ``--num-requests`` requests (default 16), all submitted at t=0, greedy,
+  EOS honoured (the tiny model stops some early, as real ones do);
+- long prompts (``--prompt-len``, default 300-900 tokens, 10-30x a short chat
+  turn): re-prefilling a victim recomputes its prompt once the prefix tree
+  has evicted it, while offload + load copies its KV twice. (Longer prompts
+  retract no more often and make every decode step slower: on two CPU cores a
+  step of three requests over ~1k tokens of context each took ~27 ms.)
+- outputs (``--output-len``, ``max_new_tokens``, default 300-600) long
+  enough that decode growth overflows a pool admission over-committed;
+- the pool holds ``Σ (prompt + max_new_tokens) / --pressure`` tokens (default
+  4: about three requests at a time), and admission over-commits
+  (``--schedule-conservativeness 0.3``: running requests reserve 0.21 of
+  their remaining output at first, decaying to 0.03).
+
+Shapes depend on ``--seed`` only (every round has the same demand); prompt
+tokens on the round too, so no round hits the prefix cache another filled.
 
 Prints one JSON object on its last line: per mode ``goodput_tokens_per_s``
-(tokens of requests that finished, per wall second), ``p99_latency_s``,
-retractions, re-prefilled tokens, offloaded / loaded tokens and the most
-retractions any one request had; ``goodput_ratio_auto_vs_recompute`` and
-``goodput_ratio_offload_vs_recompute``; and ``outputs_identical`` (all three
-must produce the same greedy tokens; exits non-zero if not).
+(output tokens of requests that finished, per wall second), ``p99_latency_s``,
+retractions (events, requests, the most any one request had), re-prefilled,
+offloaded and loaded tokens, and the scheduler's wall seconds in prefill
+(``reprefill_s`` of it on retracted requests), decode, retract (offload copies
+included) and host-store loads, with ``retract_cost_share`` = (reprefill_s +
+retract_s + load_s) / wall_s: the most any retract mode could save;
+``goodput_ratio_auto_vs_recompute`` and ``goodput_ratio_offload_vs_recompute``
+over all rounds and per round (``rounds``); and ``outputs_identical`` (all
+three must produce the same greedy tokens; exits non-zero if not).
 """
 
 from __future__ import annotations
@@ -21,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import signal
 import sys
 import tempfile
@@ -29,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import retract_normal
 from retract_normal import PAGE_SIZE, Request, pool_args, serve_round, warm_up
 
 from memsvc.client import MemClient
@@ -40,25 +63,39 @@ from scheduler_svc.launch import Launcher
 MODES = ("recompute", "offload", "auto")
 
 
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
 def make_workload(args: argparse.Namespace, round_index: int) -> list[Request]:
-    """retract_normal's workload, with the long requests' prompts ``--long-prompt`` long.
-
-    Long prompts are what makes re-prefilling a victim expensive (and what a
-    long-context serving workload looks like).
-    """
-    reqs = retract_normal.make_workload(args, round_index)
-    lo, hi = (int(x) for x in args.long_prompt.split("-"))
-    out = []
-    for i, req in enumerate(reqs):
-        if "-long-" in req.rid:
-            length = lo + (i * 7919) % (hi - lo + 1)
-            prompt = (req.prompt_ids * (length // len(req.prompt_ids) + 1))[:length]
-            req = Request(req.rid, prompt, req.max_new_tokens)
-        out.append(req)
-    return out
+    """``--num-requests`` requests: prompt and output lengths uniform in their ranges."""
+    shape_rng = random.Random(args.seed)
+    token_rng = random.Random(f"{args.seed}-{round_index}")
+    prompt_lo, prompt_hi = parse_range(args.prompt_len)
+    output_lo, output_hi = parse_range(args.output_len)
+    reqs = []
+    for i in range(args.num_requests):
+        prompt_len = shape_rng.randint(prompt_lo, prompt_hi)
+        max_new = shape_rng.randint(output_lo, output_hi)
+        prompt = [token_rng.randrange(256) for _ in range(prompt_len)]
+        reqs.append(Request(f"r{round_index}-{i}", prompt, max_new))
+    return reqs
 
 
-EXTRA_KEYS = ("offloaded_tokens", "loaded_tokens")
+# Engine counters reported per mode, summed over the rounds.
+COUNT_KEYS = (
+    "retract_events",
+    "retracted_reqs",
+    "reprefilled_tokens",
+    "offloaded_tokens",
+    "loaded_tokens",
+    "prefill_tokens",
+    "generated_tokens",
+    "forward_passes",
+    "aborted_reqs",
+)
+SECONDS_KEYS = ("prefill_s", "reprefill_s", "decode_s", "retract_s", "load_s")
 
 
 def p99(values: list[float]) -> float:
@@ -71,7 +108,8 @@ async def serve(addresses: dict[str, str], args: argparse.Namespace) -> dict[str
         m: {"wall_s": 0.0, "good_tokens": 0, "latencies": [], "max_retractions": 0}
         for m in addresses
     }
-    stats_sum: dict[str, dict[str, int]] = {m: {} for m in addresses}
+    totals: dict[str, dict[str, float]] = {m: {} for m in addresses}
+    rounds: list[dict[str, Any]] = []
     identical = True
     async with contextlib.AsyncExitStack() as stack:
         clients = {
@@ -84,45 +122,57 @@ async def serve(addresses: dict[str, str], args: argparse.Namespace) -> dict[str
         for index in range(args.rounds):
             reqs = make_workload(args, index)
             outputs = {}
+            goodput = {}
             for mode in order[index % len(order) :] + order[: index % len(order)]:
                 client = clients[mode]
                 before = (await client.info())["stats"]
                 results, _, wall_s = await serve_round(client, reqs)
                 after = (await client.info())["stats"]
-                for key, value in after.items():
-                    if isinstance(value, int):
-                        stats_sum[mode][key] = stats_sum[mode].get(key, 0) + value - before[key]
+                for key in (*COUNT_KEYS, *SECONDS_KEYS):
+                    totals[mode][key] = totals[mode].get(key, 0) + after[key] - before[key]
                 f = figures[mode]
                 f["wall_s"] += wall_s
                 finished = [r for r in results if r.finish_reason.get("type") != "abort"]
-                f["good_tokens"] += sum(len(r.output_ids) for r in finished)
+                good_tokens = sum(len(r.output_ids) for r in finished)
+                f["good_tokens"] += good_tokens
                 f["latencies"] += [r.meta_info["e2e_latency"] for r in results]
                 f["max_retractions"] = max(
                     f["max_retractions"], *(r.meta_info["num_retractions"] for r in results)
                 )
                 outputs[mode] = {r.rid: r.output_ids for r in results}
+                goodput[mode] = good_tokens / wall_s
             identical &= all(o == outputs["recompute"] for o in outputs.values())
+            rounds.append(
+                {
+                    "first": order[index % len(order)],
+                    **{f"{m}_goodput": round(g, 2) for m, g in goodput.items()},
+                    "ratio_auto_vs_recompute": round(goodput["auto"] / goodput["recompute"], 3),
+                }
+            )
     out: dict[str, Any] = {}
     for mode, f in figures.items():
-        s = stats_sum[mode]
+        t = totals[mode]
+        retract_cost_s = t["reprefill_s"] + t["retract_s"] + t["load_s"]
         out[mode] = {
             "goodput_tokens_per_s": round(f["good_tokens"] / f["wall_s"], 2),
             "p99_latency_s": round(p99(f["latencies"]), 3),
             "wall_s": round(f["wall_s"], 2),
-            "retracted_reqs": s.get("retracted_reqs", 0),
-            "reprefilled_tokens": s.get("reprefilled_tokens", 0),
-            **{k: s.get(k, 0) for k in EXTRA_KEYS},
-            "aborted_reqs": s.get("aborted_reqs", 0),
+            **{k: int(t[k]) for k in COUNT_KEYS},
             "max_retractions_per_request": f["max_retractions"],
+            **{k: round(t[k], 3) for k in SECONDS_KEYS},
+            "retract_cost_share": round(retract_cost_s / f["wall_s"], 4),
         }
+    out["rounds"] = rounds
     out["outputs_identical"] = identical
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    workload = make_workload(args, 0)
+    workload = make_workload(args, 0)  # every round's shapes, so its demand too
     demand = sum(r.demand for r in workload)
     pages = int(demand / args.pressure) // PAGE_SIZE
+    longest = max(r.demand for r in workload)
+    max_context_len = max(1024, -(-longest // 1024) * 1024)
     common = ["--schedule-conservativeness", str(args.schedule_conservativeness)]
     with tempfile.TemporaryDirectory(prefix="retract-policy-") as tmp:
         checkpoint = write_tiny_checkpoint(Path(tmp) / "tiny-llama")
@@ -130,12 +180,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stacks = {
                 mode: launcher.start_normal_stack(
                     checkpoint,
-                    pool_args(pages),
+                    pool_args(pages, max_context_len),
                     [*common, "--retract-mode", mode],
                     suffix=f"-{mode}",
                     log_level="WARNING",
                 )
-                for mode in MODES
+                for mode in args.modes
             }
             result = asyncio.run(serve({m: s[2].address for m, s in stacks.items()}, args))
             for mem, _, _ in stacks.values():
@@ -147,10 +197,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": {
             "seed": args.seed,
             "rounds": args.rounds,
-            "num_long": args.num_long,
-            "num_short": args.num_short,
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "prompt_tokens": sum(len(r.prompt_ids) for r in workload),
+            "max_new_tokens": sum(r.max_new_tokens for r in workload),
             "demand_tokens": demand,
+            "pressure": args.pressure,
             "capacity_tokens": pages * PAGE_SIZE,
+            "page_size": PAGE_SIZE,
+            "arrivals": "all at t=0",
+            "launch_order": args.modes,
             "schedule_conservativeness": args.schedule_conservativeness,
         },
         **result,
@@ -165,16 +222,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-long", type=int, default=10, help="long requests")
-    parser.add_argument("--num-short", type=int, default=10, help="short requests")
-    parser.add_argument("--pressure", type=float, default=3.0, help="demand / pool capacity")
-    # 0: admit on the hope that requests finish early, so memory runs out mid-decode often.
-    parser.add_argument("--schedule-conservativeness", type=float, default=0.0)
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--prompt-len", default="300-900", help="prompt length range, LO-HI")
+    parser.add_argument(
+        "--output-len", default="300-600", help="max_new_tokens range, LO-HI tokens"
+    )
+    parser.add_argument("--pressure", type=float, default=4.0, help="demand / pool capacity")
+    # Below 1, admission counts on running requests needing little of their remaining
+    # output, so memory runs out mid-decode (SGLang's advice is 1.2-1.5 when that happens).
+    parser.add_argument("--schedule-conservativeness", type=float, default=0.3)
     parser.add_argument("--rounds", type=int, default=3, help="workloads served by each stack")
     parser.add_argument(
-        "--long-prompt", default="100-200", help="prompt length range of the long requests"
+        "--launch-order",
+        dest="modes",
+        type=lambda text: text.split(","),
+        default=list(MODES),
+        help="the three modes in the order their stacks start (and the rotation starts)",
     )
     args = parser.parse_args(argv)
+    if sorted(args.modes) != sorted(MODES):
+        parser.error(f"--launch-order must name each of {MODES} once")
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     started = time.monotonic()
     result = run(args)

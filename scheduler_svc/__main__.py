@@ -13,6 +13,7 @@ from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from scheduler_svc.core import ConfigError, SchedulerConfig
+from scheduler_svc.core.config import RETRACTION_POLICIES
 
 log = logging.getLogger("scheduler_svc")
 
@@ -66,9 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--retraction-policy",
-        choices=["length", "priority"],
+        choices=list(RETRACTION_POLICIES),
         default="length",
-        help="victim order: fewest outputs first (length) or lowest priority",
+        help="victim order: fewest outputs first (length, SGLang's), lowest priority "
+        "(priority), or cheapest to bring back first by the retract cost model under "
+        "--retract-mode (cost: re-prefill seconds, or KV copy seconds when offloading)",
     )
     parser.add_argument(
         "--retract-mode",

@@ -67,6 +67,13 @@ class EngineStats:
     finished_reqs: int = 0
     last_retracted_reqs: int = 0  # the num_retracted_reqs gauge
     last_ratio_after_retract: float | None = None
+    # Wall seconds in each kind of work (where a retract's cost goes). A prefill batch
+    # mixing first prefills and re-prefills is split between them by token share.
+    prefill_s: float = 0.0
+    reprefill_s: float = 0.0  # part of prefill_s
+    decode_s: float = 0.0
+    retract_s: float = 0.0  # memsvc's retract, offload copies included
+    load_s: float = 0.0  # host-store loads on re-admission
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -197,6 +204,8 @@ class Engine:
                 # The pool moved since the budget was taken: undo this one, stop here.
                 await self.mem.free_row(req.rid)
                 break
+            if req.retracted_stain:
+                self.cost.observe_readmit(len(req.origin_input_ids), prefix_len)
             req.start_prefill(row, prefix_len, decision.extend_len)
             self._mark_readmitted(req)
             self.waiting.popleft()
@@ -230,11 +239,14 @@ class Engine:
         except OutOfRowsError:
             return False
         started = time.perf_counter()
-        if not (await self.mem.load(req.rid)).fits:
+        fits = (await self.mem.load(req.rid)).fits
+        seconds = time.perf_counter() - started
+        self.stats.load_s += seconds
+        if not fits:
             await self.mem.free_row(req.rid)
             return False
         tokens = req.seq_len - 1
-        self.cost.observe_copy(tokens * self.cost.bytes_per_token, time.perf_counter() - started)
+        self.cost.observe_copy(tokens * self.cost.bytes_per_token, seconds)
         req.resume(row)
         self._mark_readmitted(req)
         self.stats.loaded_reqs += 1
@@ -263,9 +275,12 @@ class Engine:
         result = await self.model.extend(
             items, sampling=[self._sampling(r) for r in batch], pool_epoch=self.mem.epoch
         )
-        self.cost.observe_prefill(
-            sum(req.extend_len for req in batch), time.perf_counter() - started
-        )
+        seconds = time.perf_counter() - started
+        num_tokens = sum(req.extend_len for req in batch)
+        self.cost.observe_prefill(num_tokens, seconds)
+        num_reprefill = sum(req.extend_len for req in batch if req.retracted_stain)
+        self.stats.prefill_s += seconds
+        self.stats.reprefill_s += seconds * num_reprefill / max(num_tokens, 1)
         self.stats.forward_passes += 1
         for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
             count = req.extend_len
@@ -308,6 +323,7 @@ class Engine:
         if not retracted:
             self.ratio.decay_step()
         batch = list(self.running)
+        started = time.perf_counter()
         result = await self.model.decode(
             [r.row for r in batch],
             [r.seq_len for r in batch],
@@ -315,6 +331,7 @@ class Engine:
             sampling=[self._sampling(r) for r in batch],
             pool_epoch=self.mem.epoch,
         )
+        self.stats.decode_s += time.perf_counter() - started
         self.stats.forward_passes += 1
         for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
             req.append_token(int(token))
@@ -327,7 +344,7 @@ class Engine:
 
     async def _retract(self, *, kv_full: bool) -> None:
         """Retract from the running batch in victim order (memsvc stops when the step fits)."""
-        order = retraction_order(self.running, self.config, self.stats.forward_passes)
+        order = retraction_order(self.running, self.config, self.stats.forward_passes, self.cost)
         ordered = [self.running[i] for i in order]
         old_ratio = self.ratio.current
         sizes_before = self.mem.sizes
@@ -336,7 +353,9 @@ class Engine:
             [(r.rid, len(r.output_ids), len(r.origin_input_ids)) for r in ordered],
         )
         to_host = self._offload_choices(ordered)
+        started = time.perf_counter()
         reply = await self.mem.retract([r.row for r in ordered], offload=to_host)
+        self.stats.retract_s += time.perf_counter() - started
         offloaded = {r.rid for r, host in zip(ordered, to_host, strict=True) if host}
         by_rid = {r.rid: r for r in ordered}
         for rid in reply.retracted:

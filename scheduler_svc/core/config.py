@@ -13,8 +13,10 @@ from typing import Any, Literal
 
 from scheduler_svc.core.errors import ConfigError
 
-RetractionPolicy = Literal["length", "priority"]
-RETRACTION_POLICIES: tuple[str, ...] = ("length", "priority")
+RetractionPolicy = Literal["length", "priority", "cost"]
+# Victim order: fewest outputs first (SGLang's default), least important first, or
+# cheapest to bring back first (by the retract cost model, under ``retract_mode``).
+RETRACTION_POLICIES: tuple[str, ...] = ("length", "priority", "cost")
 # What happens to a victim's KV: dropped and recomputed (SGLang's normal mode),
 # parked in the host store and loaded back (SGLang's PD decode), or per victim
 # whichever the cost model says is cheaper.

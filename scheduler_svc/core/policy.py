@@ -21,6 +21,7 @@ from scheduler_svc.core.admission import (
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.errors import RequestTooLargeError
 from scheduler_svc.core.request import Req
+from scheduler_svc.core.retract_cost import RetractCostModel
 
 __all__ = [
     "RETRACT_ABORT_MESSAGE",
@@ -55,7 +56,10 @@ def decode_tokens_required(kv_lens: Iterable[int], page_size: int) -> int:
 
 
 def retraction_order(
-    reqs: Sequence[Req], config: SchedulerConfig, step: int | None = None
+    reqs: Sequence[Req],
+    config: SchedulerConfig,
+    step: int | None = None,
+    cost: RetractCostModel | None = None,
 ) -> list[int]:
     """Indices of ``reqs`` from most worth keeping to least; victims are popped from the end.
 
@@ -68,11 +72,16 @@ def retraction_order(
       (so the first victim has the fewest outputs and, among those, the longest prompt);
     - ``priority``: most important kept first, ``None`` least important of all, then as
       ``length``. By default a lower value is less important; with
-      ``schedule_low_priority_values_first`` a higher value is.
+      ``schedule_low_priority_values_first`` a higher value is;
+    - ``cost``: most expensive to bring back kept first, by ``cost`` (the engine's
+      learned :class:`RetractCostModel`; its priors if None) under
+      ``config.retract_mode``: re-prefill seconds when recomputing, copy seconds
+      (so bytes) when offloading, the cheaper of the two under ``auto``; ties as
+      ``length``. Cheap victims free less memory, so a retract may take more of them.
 
     Sorting is stable, so fully tied requests keep their batch order.
     """
-    order = _policy_order(reqs, config)
+    order = _policy_order(reqs, config, cost)
     cooldown = config.retract_cooldown_steps
     if not cooldown or step is None or config.speculative:
         return order
@@ -82,14 +91,24 @@ def retraction_order(
     return [i for i in order if i in cooling] + [i for i in order if i not in cooling]
 
 
-def _policy_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
+def _length_key(req: Req) -> tuple[int, int]:
+    return (len(req.output_ids), -len(req.origin_input_ids))
+
+
+def _policy_order(
+    reqs: Sequence[Req], config: SchedulerConfig, cost: RetractCostModel | None
+) -> list[int]:
     indices = range(len(reqs))
     if config.speculative:
         return list(indices)
     if config.retraction_policy == "length":
+        return sorted(indices, key=lambda i: _length_key(reqs[i]), reverse=True)
+    if config.retraction_policy == "cost":
+        model = cost or RetractCostModel(bytes_per_token=1, page_size=config.page_size)
+        mode = config.retract_mode
         return sorted(
             indices,
-            key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)),
+            key=lambda i: (model.readmit_s(reqs[i], mode), *_length_key(reqs[i])),
             reverse=True,
         )
     # Importance grows with the key; None sorts below every real priority.
@@ -99,7 +118,7 @@ def _policy_order(reqs: Sequence[Req], config: SchedulerConfig) -> list[int]:
     def key(i: int) -> tuple[int, int, int]:
         req = reqs[i]
         priority = none_priority if req.priority is None else req.priority
-        return (priority * -sign, len(req.output_ids), -len(req.origin_input_ids))
+        return (priority * -sign, *_length_key(req))
 
     return sorted(indices, key=key, reverse=True)
 

@@ -7,7 +7,8 @@ scheduler observes; until it has seen any, the defaults below (the bundled
 model on one CPU core, ``bench/model_step.py`` / ``bench/offload_bw.py``)
 apply::
 
-    recompute_s = tokens_to_recompute / prefill_tokens_per_s
+    recompute_s = (seq_len − likely_hit) / prefill_tokens_per_s
+    likely_hit  = hit_fraction × floor_page(prompt)   (learned from re-admitted victims)
     offload_s   = 2 × kv_bytes / copy_bytes_per_s        (only if the host store has room)
 """
 
@@ -32,6 +33,10 @@ class RetractCostModel:
     page_size: int
     prefill_tokens_per_s: float = 10_000.0
     copy_bytes_per_s: float = 4e9
+    # How much of a recomputed victim's prompt the prefix tree still holds when it
+    # comes back. The prompt is published to the tree after its prefill, but the
+    # pressure that caused the retract may evict it first: half until observed.
+    hit_fraction: float = 0.5
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -41,19 +46,34 @@ class RetractCostModel:
         if nbytes > 0 and seconds > 0:
             self.copy_bytes_per_s = _ema(self.copy_bytes_per_s, nbytes / seconds)
 
+    def observe_readmit(self, prompt_len: int, prefix_len: int) -> None:
+        """A recomputed victim is back: ``prefix_len`` of its tokens hit the tree."""
+        aligned = floor_page(prompt_len, self.page_size)
+        if aligned > 0:
+            self.hit_fraction = _ema(self.hit_fraction, min(prefix_len, aligned) / aligned)
+
     def kv_bytes(self, req: Req) -> int:
         """What an offload of ``req`` now moves: the KV of all but its last token."""
         return max(req.seq_len - 1, 0) * self.bytes_per_token
 
     def recompute_s(self, req: Req) -> float:
-        # The prompt was published to the tree after its prefill; under the
-        # pressure that causes a retract it may be evicted before the request
-        # returns, so only half of it is counted as a likely hit.
-        likely_hit = floor_page(len(req.origin_input_ids), self.page_size) // 2
+        likely_hit = self.hit_fraction * floor_page(len(req.origin_input_ids), self.page_size)
         return max(req.seq_len - likely_hit, 1) / self.prefill_tokens_per_s
 
     def offload_s(self, req: Req) -> float:
         return 2 * self.kv_bytes(req) / self.copy_bytes_per_s
+
+    def readmit_s(self, req: Req, mode: str) -> float:
+        """What retracting ``req`` now costs to undo under retract ``mode``, in seconds.
+
+        ``auto`` takes the cheaper way regardless of the host store's room
+        (which only the retract itself knows); does not change the model.
+        """
+        if mode == "recompute":
+            return self.recompute_s(req)
+        if mode == "offload":
+            return self.offload_s(req)
+        return min(self.recompute_s(req), self.offload_s(req))
 
     def choose_offload(self, victims: list[Req], host_free_bytes: int) -> list[bool]:
         """Per victim (in the order they would be retracted), whether to offload it.

@@ -6,6 +6,7 @@ Examples::
     kvstack sim --requests 300 --pool-tokens 20000 --max-new-factor 4 \\
         --sweep schedule_conservativeness=0.3,1.0,2.0 --plots out/ --json
     kvstack sim --trace trace.jsonl --sweep retract_mode=recompute,offload,auto
+    kvstack sim --trace trace.jsonl --sweep retraction_policy=length,cost
 
 Prints a table (one row per configuration; several with ``--sweep``), and with
 ``--json`` one JSON object on the last line. Exit status 2 on a bad setting.

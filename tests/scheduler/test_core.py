@@ -21,6 +21,7 @@ from scheduler_svc.core import (
     max_new_tokens_for_memory,
     retraction_order,
 )
+from scheduler_svc.core.retract_cost import RetractCostModel
 from tests.scheduler.helpers import config, make_req
 
 
@@ -113,7 +114,7 @@ def test_priority_policy_ties_broken_by_length(low_values_first):
     ]
 
 
-@pytest.mark.parametrize("policy", ["length", "priority"])
+@pytest.mark.parametrize("policy", ["length", "priority", "cost"])
 def test_speculative_retracts_from_the_tail(policy):
     reqs = [
         make_req("low", priority=1, output_len=9),
@@ -127,6 +128,58 @@ def test_speculative_retracts_from_the_tail(policy):
 
 def test_retraction_order_of_empty_batch():
     assert retraction_order([], config()) == []
+
+
+def cost_victims(reqs, mode: str, cost: RetractCostModel | None = None) -> list[str]:
+    order = retraction_order(reqs, config(retraction_policy="cost", retract_mode=mode), cost=cost)
+    assert sorted(order) == list(range(len(reqs)))
+    return [reqs[i].rid for i in reversed(order)]
+
+
+# Recompute re-prefills seq_len minus the likely tree hit (half the page-aligned prompt);
+# offload copies seq_len - 1 tokens of KV. The two orders differ on this batch, and both
+# differ from the length policy's.
+COST_BATCH = [
+    ("long-prompt", 200, 1),  # recompute 201 - 100 = 101 tokens, offload 200
+    ("long-output", 8, 120),  # recompute 128 - 4 = 124, offload 127
+    ("big", 400, 40),  # recompute 440 - 200 = 240, offload 439
+]
+
+
+@pytest.mark.parametrize("batch", list(itertools.permutations(range(3))))
+def test_cost_policy_victims_cheapest_to_bring_back_first(batch):
+    reqs = [make_req(rid, input_len=i, output_len=o) for rid, i, o in COST_BATCH]
+    reqs = [reqs[i] for i in batch]
+    assert cost_victims(reqs, "recompute") == ["long-prompt", "long-output", "big"]
+    assert cost_victims(reqs, "offload") == ["long-output", "long-prompt", "big"]
+    assert pop_victims(reqs, config()) == ["long-prompt", "big", "long-output"]
+
+
+def test_cost_policy_auto_follows_the_learned_rates():
+    reqs = [make_req(rid, input_len=i, output_len=o) for rid, i, o in COST_BATCH]
+    copy_is_cheap = RetractCostModel(bytes_per_token=1, page_size=4, copy_bytes_per_s=1e12)
+    assert cost_victims(reqs, "auto", copy_is_cheap) == ["long-output", "long-prompt", "big"]
+    copy_is_dear = RetractCostModel(bytes_per_token=1, page_size=4, copy_bytes_per_s=1.0)
+    assert cost_victims(reqs, "auto", copy_is_dear) == ["long-prompt", "long-output", "big"]
+    # Per victim the cheaper way: 20 tokens/s of prefill, 20 bytes/s of copy (2 copies).
+    mixed = RetractCostModel(
+        bytes_per_token=1, page_size=4, prefill_tokens_per_s=20.0, copy_bytes_per_s=20.0
+    )
+    assert [mixed.readmit_s(r, "auto") for r in reqs] == [101 / 20, 124 / 20, 240 / 20]
+
+
+def test_cost_policy_ties_fall_back_to_length():
+    reqs = [make_req(f"r{i}", input_len=8, output_len=3) for i in range(3)]
+    assert cost_victims(reqs, "offload") == ["r2", "r1", "r0"]  # stable, as length
+
+
+def test_cost_policy_keeps_the_thrash_guard():
+    cfg = config(retraction_policy="cost", retract_cooldown_steps=10)
+    reqs = [make_req(rid, input_len=i, output_len=o) for rid, i, o in COST_BATCH]
+    assert retraction_order(reqs, cfg, step=100)[-1] == 0  # long-prompt: cheapest
+    reqs[0].readmit_step = 95  # cooling down: kept while anything else can go
+    order = retraction_order(reqs, cfg, step=100)
+    assert order[0] == 0 and order[-1] == 1
 
 
 # -- new_token_ratio -----------------------------------------------------------
@@ -417,3 +470,28 @@ def test_cooldown_keeps_recently_readmitted_requests_out_of_the_victims():
     for req in reqs:  # everyone cooling: the policy order among them
         req.readmit_step = 99
     assert retraction_order(reqs, cfg, step=100) == retraction_order(reqs, cfg)
+
+
+def test_scheduler_cli_accepts_every_retraction_policy():
+    from scheduler_svc.__main__ import build_parser
+
+    parser = build_parser()
+    base = ["--memsvc", "ipc:///m", "--worker", "ipc:///w"]
+    assert parser.parse_args(base).retraction_policy == "length"
+    assert parser.parse_args([*base, "--retraction-policy", "cost"]).retraction_policy == "cost"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--retraction-policy", "cheapest"])
+    assert "cost" in parser.format_help()
+
+
+def test_cost_model_learns_how_much_of_a_victims_prompt_the_tree_kept():
+    model = RetractCostModel(bytes_per_token=1, page_size=4, prefill_tokens_per_s=1.0)
+    req = make_req("victim", input_len=100, output_len=20)
+    assert model.recompute_s(req) == 120 - 50  # prior: half the prompt hits
+    for _ in range(40):
+        model.observe_readmit(prompt_len=100, prefix_len=0)  # evicted every time
+    assert model.recompute_s(req) == pytest.approx(120, abs=0.1)
+    model.observe_readmit(prompt_len=100, prefix_len=110)  # past the prompt: the whole prompt
+    assert model.hit_fraction == pytest.approx(0.2, abs=0.01)
+    model.observe_readmit(prompt_len=3, prefix_len=0)  # under a page: nothing to learn
+    assert model.hit_fraction == pytest.approx(0.2, abs=0.01)

@@ -89,6 +89,21 @@ def test_every_request_finishes_with_the_right_tokens_under_churn(service) -> No
     run(scenario())
 
 
+def test_recomputed_victims_teach_the_cost_model_their_tree_hits(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service, test_retract=True, test_retract_interval=2).start()
+        for i in range(6):
+            h.submit(f"r{i}", [i + 1] * (9 + 2 * i), 12)
+        await h.run()
+        assert h.engine.stats.retracted_reqs > 0
+        # A roomy pool: the tree keeps every victim's published prompt, so the
+        # estimate moves from its prior (half) towards whole-prompt hits.
+        assert h.engine.cost.hit_fraction > 0.5
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())
+
+
 def test_abort_while_waiting_after_a_retract_returns_partial_output(service) -> None:
     async def scenario() -> None:
         h = await Harness(service, test_retract=True, test_retract_interval=1).start()

@@ -75,6 +75,21 @@ def test_trace_and_cost_file(tmp_path, capsys) -> None:
     assert 4.5 <= totals["sim_s"] < 6.0
 
 
+def test_retraction_policy_sweep_runs_length_and_cost(capsys) -> None:
+    argv = ["sim", "--requests", "40", "--pool-tokens", "1024", "--page-size", "4"]
+    argv += ["--max-running-requests", "16", "--input-len", "uniform:8:40"]
+    argv += ["--output-len", "uniform:60:200", "--set", "schedule_conservativeness=0.3"]
+    argv += ["--set", "new_token_ratio_decay_steps=50", "--check", "--json"]
+    assert main([*argv, "--sweep", "retraction_policy=length,cost"]) == 0
+    results = last_json(capsys.readouterr().out)["results"]
+    assert [r["settings"] for r in results] == [
+        {"retraction_policy": "length"},
+        {"retraction_policy": "cost"},
+    ]
+    for r in results:
+        assert r["totals"]["retractions"] > 0 and r["totals"]["wrong_outputs"] == 0
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -82,6 +97,7 @@ def test_trace_and_cost_file(tmp_path, capsys) -> None:
         (["--sweep", "schedule_conservativeness=1,-2"], "schedule_conservativeness must be >= 0"),
         (["--input-len", "uniform:5"], "bad length distribution"),
         (["--trace", "/nonexistent/trace.jsonl"], "No such file"),
+        (["--sweep", "retraction_policy=length,cheapest"], "retraction_policy must be one of"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(argv, message, capsys) -> None:

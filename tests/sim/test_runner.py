@@ -123,6 +123,21 @@ needs_retract_mode = pytest.mark.skipif(
 )
 
 
+def test_cost_retraction_policy_picks_other_victims_and_keeps_outputs() -> None:
+    runs = expand_sweeps(PRESSURE, [parse_sweep("retraction_policy=length,cost")])
+    results = {
+        s["retraction_policy"]: runner.run(replace(spec, keep_outputs=True), pressure_workload())
+        for s, spec in runs
+    }
+    length, cost = results["length"], results["cost"]
+    assert length.totals["retractions"] > 0 and cost.totals["retractions"] > 0
+    assert [e.retracted for e in length.retract_log] != [e.retracted for e in cost.retract_log]
+    for result in (length, cost):
+        assert result.totals["wrong_outputs"] == 0
+        assert result.totals["finished"] == 40 and result.totals["aborted"] == 0
+    assert cost.outputs == length.outputs  # greedy: the victims change, the tokens do not
+
+
 @needs_retract_mode
 def test_retract_mode_sweep_charges_copies_for_offload() -> None:
     runs = expand_sweeps(PRESSURE, [parse_sweep("retract_mode=recompute,offload,auto")])
@@ -229,6 +244,10 @@ async def run_on_harness(spec: SimSpec, workload: list[RequestSpec], seed: int):
         pytest.param({"test_retract": True, "test_retract_interval": 3}, id="test-retract"),
         pytest.param({"chunked_prefill_size": 16}, id="chunked"),
         pytest.param({"retract_mode": "offload"}, id="offload", marks=needs_retract_mode),
+        # Victims by cost: under recompute or offload the order does not depend on the
+        # learned rates (one common factor), so wall and simulated clocks agree on it.
+        pytest.param({"retraction_policy": "cost"}, id="cost-recompute"),
+        pytest.param({"retraction_policy": "cost", "retract_mode": "offload"}, id="cost-offload"),
     ],
 )
 def test_the_simulator_and_the_real_stack_agree(config) -> None:
