@@ -10,18 +10,9 @@ import pytest
 
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from scheduler_svc.supervisor_cli import pid_alive
 from tests.helpers import small_layout
 from tests.procs import launcher, memsvc, memsvc_factory, service_factory  # noqa: F401
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(names: list[str]) -> None:
@@ -49,9 +40,7 @@ def no_orphan_segments() -> Iterator[None]:
     """At the end of the run, no segment of a process that has died may remain."""
     before = set(list_segments())
     yield
-    orphans = [
-        n for n in set(list_segments()) - before if not _pid_alive(segment_owner_pid(n) or 0)
-    ]
+    orphans = [n for n in set(list_segments()) - before if not pid_alive(segment_owner_pid(n) or 0)]
     _unlink(orphans)
     assert not orphans, f"dead processes left shared-memory segments: {orphans}"
 
