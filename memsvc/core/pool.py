@@ -31,6 +31,7 @@ from memsvc.core.allocator import (
     num_new_pages,
 )
 from memsvc.core.backends import create_buffers
+from memsvc.core.decode_rows import DecodeRows
 from memsvc.core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
@@ -101,13 +102,11 @@ class KVPool:
             raise
         self._reqs: dict[str, ReqKV] = {}
         self._rids_by_row: dict[int, str] = {}
-        self._kv_lens = np.zeros(self.table.num_rows, dtype=np.int64)
+        self._rows = DecodeRows(self.table, self.allocator)
+        self._kv_lens = self._rows.kv_lens
         # Bumped whenever a request opens or closes: a batch of rows checked at
         # one generation is still valid while the generation is unchanged.
         self.rows_generation = 0
-        self._row_scratch = np.zeros(self.table.num_rows, dtype=np.int64)
-        self._positions = np.arange(self.table.num_rows, dtype=np.int64)
-        self._decode_step_flags = self._build_decode_step_flags()
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -263,90 +262,21 @@ class KVPool:
         rows = np.array([self.request(rid).row for rid in rids], dtype=np.int64)
         return self.alloc_decode_rows(rows, evict=evict)
 
-    # What a decode step does to one request (see _build_decode_step_flags).
-    _FILLS_PAGE, _OPENS_PAGE, _PAST_MAX_LEN = 0, 1, 2
-
     def decode_tokens_required_rows(self, rows: np.ndarray) -> int:
-        return self.page_size * int((self._kv_lens[rows] % self.page_size == 0).sum())
-
-    def _build_decode_step_flags(self) -> np.ndarray:
-        """What a decode step does to a request of each ``kv_len`` (0..max_context_len).
-
-        ``_FILLS_PAGE``, ``_OPENS_PAGE`` (``kv_len % page_size == 0``) or
-        ``_PAST_MAX_LEN``. One gather from this table classifies a whole batch:
-        on the decode hot path it replaces a modulo, a count and a max, each a
-        trip through numpy's ufunc machinery, which costs several microseconds
-        with the caches cold (as they are when a request wakes the service).
-        """
-        max_len = self.table.max_context_len
-        lengths = np.arange(max_len + 1)
-        flags = np.where(lengths % self.page_size == 0, self._OPENS_PAGE, self._FILLS_PAGE)
-        flags = flags.astype(np.uint8)
-        flags[max_len] = self._PAST_MAX_LEN
-        return flags
+        return self._rows.tokens_required(rows)
 
     def alloc_decode_rows(
         self, rows: np.ndarray, *, evict: bool = True, rows_checked: bool = False
     ) -> np.ndarray | None:
-        """:meth:`alloc_decode` by ``req_to_token`` row, vectorized over the batch.
-
-        ::
-
-            kv_len % page_size == 0  ->  a fresh page, slot page * page_size
-            otherwise                ->  the slot after the previous position's
-
-        The hot path of a decode step: a fixed handful of numpy calls over the
-        batch, no per-request Python. ``rows_checked`` skips :meth:`check_rows`
-        when the caller just ran it.
-        """
-        if not rows_checked:
-            rows = self.check_rows(rows)
-        kv_lens = self._kv_lens[rows]
-        # One byte per request (see _build_decode_step_flags), read with bytes methods.
-        flags = self._decode_step_flags.take(kv_lens, mode="clip")
-        flag_bytes = flags.tobytes()
-        if self._PAST_MAX_LEN in flag_bytes:
-            raise InvalidArgumentError(
-                f"a request would exceed max_context_len {self.table.max_context_len}"
-            )
-        num_pages = flag_bytes.count(self._OPENS_PAGE)
-        page_size = self.page_size
-        if evict and num_pages * page_size > self.allocator.available_size():
-            self.ensure_available(num_pages * page_size)
-        if num_pages == rows.size:  # page_size 1, or every request at a page boundary
-            pages = self.allocator.alloc_pages(num_pages, owner=rows)
-            if pages is None:
-                return None
-            slots = pages * page_size
-        else:
-            # kv_len 0 always opens a page, so index -1 below is overwritten
-            slots = np.add(self.table.array[rows, kv_lens - 1], 1, dtype=SLOT_DTYPE)
-            if num_pages:
-                opens_page = flags.view(np.bool_)  # flags are 0 / 1 here
-                pages = self.allocator.alloc_pages(num_pages, owner=rows[opens_page])
-                if pages is None:
-                    return None
-                slots[opens_page] = pages * page_size
-        self.table.write_cells(rows, kv_lens, slots)
-        self._kv_lens[rows] = kv_lens + 1
-        return slots
+        """:meth:`alloc_decode` by ``req_to_token`` row, vectorized over the batch
+        (see :mod:`memsvc.core.decode_rows`); ``rows_checked`` skips
+        :meth:`check_rows` when the caller just ran it."""
+        make_room = self.ensure_available if evict else None
+        return self._rows.allocate(rows, make_room=make_room, rows_checked=rows_checked)
 
     def check_rows(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` as int64, if each is an open request's row and none repeats."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.ndim != 1:
-            raise InvalidArgumentError("rows must be one-dimensional")
-        if not rows.size:
-            return rows
-        # One compare catches both ends: negative rows wrap to huge unsigned values.
-        if (rows.view(np.uint64) >= self.table.num_rows).any() or not self.table.is_open(rows):
-            raise UnknownRequestError("a row in the batch holds no open request")
-        # Duplicates: scatter then gather positions; a repeated row keeps only one of them.
-        positions = self._positions[: rows.size]
-        self._row_scratch[rows] = positions
-        if (self._row_scratch[rows] != positions).any():
-            raise InvalidArgumentError("a request appears twice in one batch")
-        return rows
+        return self._rows.check(rows)
 
     def check_decode_mem_rows(self, rows: np.ndarray) -> bool:
         needed = self.decode_tokens_required_rows(rows)
