@@ -2,82 +2,46 @@
 
 Asking for CUDA where there is none, a GPU too small for the pool, an IPC
 handle that cannot be opened: each must fail at once with a message that says
-what to do. The driver's answers are simulated with a stand-in ``cupy``
-module, so these run everywhere (CI has no GPU).
+what to do. The driver's answers are simulated with the stand-in ``cupy`` of
+``fake_cupy.py``, so these run everywhere (CI has no GPU).
 """
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
-import types
 
 import pytest
 
 from memsvc.core import KVPool
 from memsvc.core.backends import attach
 from memsvc.core.errors import BackendUnavailableError
+from tests.gpu import fake_cupy
 from tests.gpu.support import gpu_missing_reason, torch_cuda_missing_reason
 from tests.helpers import small_layout
 from tests.procs import REPO
 
 
-class CUDARuntimeError(RuntimeError):
-    pass
-
-
-class OutOfMemoryError(MemoryError):
-    pass
-
-
-def fake_cupy(*, devices: int = 1, free_bytes: int = 1 << 40, ipc_fails: bool = False):
-    """Just enough of cupy's surface for the backend to reach its error paths."""
-
-    def memory(nbytes: int):
-        if nbytes > free_bytes:
-            raise OutOfMemoryError(f"out of memory allocating {nbytes} bytes")
-        raise AssertionError("the test only simulates failing allocations")
-
-    def ipc_open(handle: bytes) -> int:
-        if ipc_fails:
-            raise CUDARuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
-        raise AssertionError("the test only simulates failing opens")
-
-    runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: devices,
-        CUDARuntimeError=CUDARuntimeError,
-        ipcOpenMemHandle=ipc_open,
-    )
-    cuda = types.SimpleNamespace(
-        runtime=runtime,
-        Device=lambda index: contextlib.nullcontext(),
-        Memory=memory,
-        memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
-    )
-    return types.SimpleNamespace(cuda=cuda)
-
-
 def test_no_gpu_says_so(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(devices=0))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.make(devices=0))
     with pytest.raises(BackendUnavailableError, match=r"no GPU found.*--backend shm"):
         KVPool(small_layout(), backend="cuda")
 
 
 def test_missing_device_index_says_so(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(devices=1))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.make(devices=1))
     with pytest.raises(BackendUnavailableError, match="no GPU with index 3"):
         KVPool(small_layout(), backend="cuda", backend_options={"device": 3})
 
 
 def test_pool_too_big_for_the_gpu_says_what_to_lower(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(free_bytes=1024))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.make(free_bytes=1024))
     with pytest.raises(BackendUnavailableError, match=r"no room for the KV pool.*--num-pages"):
         KVPool(small_layout(), backend="cuda")
 
 
 def test_ipc_handle_that_cannot_be_opened_names_the_likely_cause(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(ipc_fails=True))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy.make())
     handle = {
         "backend": "cuda",
         "layout": small_layout().to_dict(),
