@@ -130,11 +130,7 @@ class _Session:
         self.layout: PoolLayout | None = None
         self.handle: dict[str, Any] | None = None
         self.hello_info: dict[str, Any] = {}
-        # The last reply's sizes, raw: PoolSizes is built only when read, and
-        # kept with the tuple it was built from (each field is set atomically,
-        # so a heartbeat thread's reply never pairs with a stale PoolSizes).
-        self._sizes: tuple[int, int, int, int] | None = None
-        self._built_sizes: tuple[tuple[int, int, int, int], PoolSizes] | None = None
+        self.sizes: PoolSizes | None = None  # as of the last reply
         self._op_ids = itertools.count(1)
 
     def new_socket(self, ctx: zmq.Context) -> zmq.Socket:
@@ -171,11 +167,8 @@ class _Session:
                 "is empty and this session is gone; reconnect and treat held KV as lost",
                 epoch,
             )
-        self._sizes = (
-            header["available"],
-            header["evictable"],
-            header["protected"],
-            header["host_free"],
+        self.sizes = PoolSizes(
+            header["available"], header["evictable"], header["protected"], header["host_free"]
         )
         if not header.get("ok"):
             code, message = header.get("code", "internal"), header.get("message", "")
@@ -184,16 +177,6 @@ class _Session:
                 raise RequestRejectedError(code, message)
             raise cls(message)
         return call.parse(header, arrays)
-
-    @property
-    def sizes(self) -> PoolSizes | None:
-        """The pool's sizes as of the last reply."""
-        raw, built = self._sizes, self._built_sizes
-        if raw is None:
-            return None
-        if built is None or built[0] is not raw:
-            built = self._built_sizes = (raw, PoolSizes(*raw))
-        return built[1]
 
     def dead(self, call: _Call) -> PeerDeadError:
         return PeerDeadError(

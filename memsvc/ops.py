@@ -17,9 +17,8 @@ import numpy as np
 from memsvc import protocol as p
 
 
-@dataclass(frozen=True)
-class PoolSizes:
-    """The pool's sizes as of the last reply (every reply carries them)."""
+class PoolSizes(NamedTuple):
+    """The pool's sizes as of the last reply (every reply carries them; built on each)."""
 
     available: int
     evictable: int
