@@ -66,6 +66,7 @@ from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
 from scheduler_svc.stack_spec import StackOptions, normal_stack, pd_stack
 from scheduler_svc.supervisor import RestartPolicy, Supervisor
+from scheduler_svc.supervisor_cli import pid_alive
 from tests.faults.proxy import FaultPlan, FaultProxy
 
 PAGE_SIZE = 4
@@ -394,7 +395,7 @@ class FaultHarness:
     def __exit__(self, *exc: object) -> None:
         pids = self.supervisor.all_pids()
         self._stack.close()
-        alive = sorted(pid for pid in pids if _alive(pid))
+        alive = sorted(pid for pid in pids if pid_alive(pid))
         segments = [n for n in list_segments() if segment_owner_pid(n) in pids]
         if alive:
             self.leftovers.append(f"processes still alive after stop: {alive}")
@@ -659,7 +660,7 @@ class FaultHarness:
         live = self.supervisor.live_pids()
         dead = self.supervisor.all_pids() - live
         problems = []
-        orphans = sorted(pid for pid in dead if _alive(pid))
+        orphans = sorted(pid for pid in dead if pid_alive(pid))
         if orphans:
             problems.append(f"orphan processes: {orphans}")
         segments = [n for n in list_segments() if segment_owner_pid(n) in dead]
@@ -690,14 +691,6 @@ class _Stream:
     tokens: list[int]
     detail: str = ""
     retractions: int = 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def temp_workdir() -> Path:

@@ -34,6 +34,7 @@ from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
 from scheduler_svc.http_api import StreamText, merge_metrics, parse_metrics
 from scheduler_svc.http_front import ServeError, start_stack
+from scheduler_svc.supervisor_cli import pid_alive
 from tests.procs import REPO
 
 CAPACITY = 1024
@@ -111,14 +112,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     workdir = tmp_path_factory.mktemp("serve")
@@ -129,7 +122,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         code = stop_front(front, signal.SIGTERM)
         services = front.info["services"]
-        left = [name for name, pid in services.items() if _alive(pid)]
+        left = [name for name, pid in services.items() if pid_alive(pid)]
         for name in left:
             _kill(services[name])
         segments = [s for s in list_segments() if segment_owner_pid(s) in services.values()]

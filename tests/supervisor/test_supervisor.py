@@ -29,6 +29,7 @@ from scheduler_svc.stack_spec import (
     build_process_list,
 )
 from scheduler_svc.supervisor import STATE_FILE, RestartPolicy, Supervisor
+from scheduler_svc.supervisor_cli import pid_alive
 from tests.procs import REPO
 
 pytestmark = pytest.mark.timeout(600)
@@ -47,14 +48,6 @@ def kvstack(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         env=ENV,
         check=False,
     )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def read_state(run_dir: Path) -> dict:
@@ -117,6 +110,22 @@ class UpProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def kill_and_await_restart(self, name: str) -> int:
+        """SIGKILL ``name``; return its old pid once a new one runs and all are healthy."""
+        old = self.pid(name)
+        os.kill(old, signal.SIGKILL)
+
+        def restarted() -> bool:
+            state = self.healthy()
+            return bool(state) and any(
+                p["name"] == name and p["restarts"] == 1 for p in state["processes"]
+            )
+
+        wait_for(restarted, 180, f"{name} restarted:\n{self.output()}")
+        assert self.pid(name) != old
+        assert f"{name} exited with code -9; restarting in 0.2s (restart #1)" in self.output()
+        return old
+
     def reap(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -171,15 +180,7 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     want = generate(scheduler)
 
     # model_svc dies: it is restarted, and the same request gives the same tokens
-    old_model = stack.pid("model_svc")
-    os.kill(old_model, signal.SIGKILL)
-    wait_for(
-        lambda: (s := stack.healthy()) and s["processes"][1]["restarts"] == 1,
-        180,
-        f"model_svc restarted:\n{stack.output()}",
-    )
-    assert stack.pid("model_svc") != old_model
-    assert "model_svc exited with code -9; restarting in 0.2s (restart #1)" in stack.output()
+    old_model = stack.kill_and_await_restart("model_svc")
     assert generate(scheduler) == want
     by_json = json.loads(kvstack("status", "--run-dir", str(run_dir), "--json").stdout)
     assert [p["restarts"] for p in by_json["processes"]] == [0, 1, 0]
@@ -200,7 +201,7 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     pids = set(stack.pids) | {old_model}
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(120) == 0, stack.output()
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in pids if pid_alive(pid)]
     assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
     assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
     assert read_state(run_dir)["status"] == "stopped"
@@ -267,21 +268,13 @@ def test_pd_up_status_restart_and_stop(up, run_dir: Path) -> None:
 
     # the prefill scheduler dies: it comes back at the same address, the router
     # reconnects (and notices the new process), and the same request gives the same tokens
-    old = stack.pid("scheduler-p")
-    os.kill(old, signal.SIGKILL)
-    wait_for(
-        lambda: (s := stack.healthy()) and s["processes"][5]["restarts"] == 1,
-        180,
-        f"scheduler-p restarted:\n{stack.output()}",
-    )
-    assert stack.pid("scheduler-p") != old
-    assert "scheduler-p exited with code -9; restarting in 0.2s (restart #1)" in stack.output()
+    old = stack.kill_and_await_restart("scheduler-p")
     assert generate(router) == want
 
     pids = set(stack.pids) | {old}
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(120) == 0, stack.output()
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in pids if pid_alive(pid)]
     assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
     assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
     assert not list(run_dir.glob("*.session"))
@@ -335,6 +328,6 @@ def test_restarts_back_off_exponentially_up_to_the_cap(run_dir: Path, caplog) ->
         "flaky exited with code 3; restarting in 0.4s (restart #4)",
         "flaky exited with code 3; restarting in 0.4s (restart #5)",
     ]
-    assert len(pids) >= 5 and not [pid for pid in pids if alive(pid)]
+    assert len(pids) >= 5 and not [pid for pid in pids if pid_alive(pid)]
     state = read_state(run_dir)
     assert state["status"] == "stopped" and state["processes"][0]["last_exit_code"] in (3, -15)
