@@ -12,7 +12,13 @@ from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from scheduler_svc.supervisor_cli import pid_alive
 from tests.helpers import small_layout
-from tests.procs import launcher, memsvc, memsvc_factory, service_factory  # noqa: F401
+from tests.procs import (  # noqa: F401
+    checkpoint,
+    launcher,
+    memsvc,
+    memsvc_factory,
+    service_factory,
+)
 
 
 def _unlink(names: list[str]) -> None:

@@ -37,6 +37,14 @@ def start_memsvc(
     return start_service(tmp_path, "memsvc", *SMALL_POOL, *extra, name=name, address=address)
 
 
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled tiny model, written once for every test that starts a model_svc."""
+    from model_svc.tiny import write_tiny_checkpoint  # imports torch: only when used
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
 @pytest.fixture
 def launcher(tmp_path: Path) -> Iterator[Launcher]:
     """Starts service processes; all are stopped (killed if need be) after the test, last first."""

@@ -10,12 +10,10 @@ Skipped, saying why, without a GPU and a CUDA build of torch.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from memsvc.client import MemClient
-from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import GenerateClient
 from tests.gpu.support import needs_gpu_torch
 from tests.scheduler_service.test_normal_mode import (
@@ -32,11 +30,6 @@ BIG = [*CUDA_POOL, "--num-pages", "2048", "--max-running-requests", "32"]
 SMALL = [*CUDA_POOL, "--num-pages", "64", "--max-running-requests", "32"]  # 256 tokens
 CUDA_MODEL = ["--device", "cuda"]
 PRESSURE = ["--schedule-conservativeness", "0.3"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from memsvc.client import MemClient
 from model_svc.client import ForwardError, ModelClient
 from model_svc.model import LlamaModel
 from model_svc.reference import generate_dense
-from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.launch import TINY_MODEL_POOL
 from tests.procs import REPO
 
@@ -29,11 +27,6 @@ POOL = [
     "--max-context-len",
     "512",
 ]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture

@@ -9,12 +9,10 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from memsvc.client import MemClient
-from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import GenerateClient
 from tests.scheduler_service.test_normal_mode import (
     finish_ids,
@@ -28,11 +26,6 @@ BIG = [*POOL, "--num-pages", "2048"]
 SMALL_DECODE = ["--num-pages", "64"]  # 256 tokens on the decode node: retracts
 PD_SCHEDULER = ["--num-reserved-decode-tokens", "8"]
 PRESSURE = ["--schedule-conservativeness", "0.3"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")

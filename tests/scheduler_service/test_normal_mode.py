@@ -23,7 +23,6 @@ import zmq
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import MemClient
-from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
 from scheduler_svc.core import RETRACT_ABORT_MESSAGE
 from scheduler_svc.launch import Launcher
@@ -32,11 +31,6 @@ from tests.procs import REPO, start_stack
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
 BIG_POOL = [*PAGE, "--num-pages", "2048", "--max-running-requests", "32"]
 SMALL_POOL = [*PAGE, "--num-pages", "64", "--max-running-requests", "32"]  # 256 tokens
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def workload(seed: int, count: int, long_len: int = 0) -> list[tuple[str, list[int], int]]:
