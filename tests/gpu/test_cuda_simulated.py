@@ -56,7 +56,7 @@ def test_offload_load_round_trip(cuda_pool, page_size, async_offload, pinned_hos
     pool.buffers.write_slots(blocker, np.zeros_like(kv))
     pool.open_request("r")
     new_slots = pool.load("r")
-    assert not np.array_equal(np.sort(new_slots), np.sort(slots)) or page_size == 1
+    assert not np.intersect1d(new_slots, slots).size, "the reload should land on other pages"
     assert np.array_equal(pool.buffers.read_slots(new_slots), kv)
     for rid in ("r", "blocker", "gap"):
         pool.release(rid, is_insert=False)
