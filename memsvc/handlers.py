@@ -299,6 +299,7 @@ class MemService:
         )
         self._settle(*result.retracted, *result.offload_failed)
         self.metrics.retracted(len(result.retracted) + len(result.offload_failed))
+        self.metrics.offloaded(result.offloaded_bytes)
         return {
             "retracted": result.retracted,
             "offload_failed": result.offload_failed,

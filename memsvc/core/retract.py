@@ -28,6 +28,7 @@ class RetractResult:
     offload_failed: list[str]  # released without a host copy: the host store was full
     tokens_gained: int  # available + evictable after minus before
     last_does_not_fit: bool  # one request left and its next step still does not fit
+    offloaded_bytes: int = 0  # copied to the host store for the retracted victims
 
 
 def retract_until_fits(
@@ -56,6 +57,7 @@ def retract_until_fits(
     tokens_before = pool.available_size() + pool.evictable_size()
     retracted: list[str] = []
     offload_failed: list[str] = []
+    offloaded_bytes = 0
     first = True
     while first or not pool.check_decode_mem_rows(np.asarray(order, dtype=np.int64)):
         if len(order) <= 1:
@@ -66,7 +68,7 @@ def retract_until_fits(
         victims = retracted
         if to_host[row]:
             try:
-                pool.offload(rid)
+                offloaded_bytes += pool.offload(rid)
             except HostStoreFullError:
                 victims = offload_failed
         pool.release(rid, is_insert=False)
@@ -80,4 +82,5 @@ def retract_until_fits(
         offload_failed=offload_failed,
         tokens_gained=pool.available_size() + pool.evictable_size() - tokens_before,
         last_does_not_fit=last_does_not_fit,
+        offloaded_bytes=offloaded_bytes,
     )

@@ -323,6 +323,7 @@ def test_retract_offload_parks_kv_and_reports_store_full(make_pool) -> None:
     result = pool.retract(rows, offload=True, retract_decode_steps=0)
     assert result.retracted == ["d"] and result.offload_failed == ["c"]
     assert "d" in pool.host_store and "c" not in pool.host_store
+    assert result.offloaded_bytes == 2 * layout.bytes_per_page  # d's, not the failed c's
     pool.alloc_extend([("a", 8), ("b", 8)])  # take the 4 freed pages
     pool.open_request("d")
     assert pool.load("d") is None  # no room: nothing changed

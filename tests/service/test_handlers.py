@@ -258,6 +258,7 @@ def test_async_offload_pending_pages_in_stats_and_load_waits_for_the_copy() -> N
         assert retract["retracted"] == ["victim"]
         stats = c.ok("stats")
         assert stats["pending_pages"] == 6 and stats["available"] == 64 - 8
+        assert stats["counters"]["offload_bytes"] == 6 * layout.bytes_per_page
         gate.set()
         c.ok("alloc_row", rid="victim")
         loaded = c.ok("load", rid="victim")
