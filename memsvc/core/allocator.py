@@ -114,7 +114,7 @@ class PageAllocator:
 
     def drain(self) -> None:
         """Wait for every copy in flight and free every pending page."""
-        self.reclaim(need=self.num_pages + 1)
+        self.reclaim(need=self.num_pages + 1)  # more than can ever be free: waits for all
         if self._copy_fence is not None:
             self._copy_fence.wait()
             self._copy_fence = None
