@@ -23,6 +23,7 @@ selfcheck: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

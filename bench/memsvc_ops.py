@@ -46,9 +46,9 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from kvstack.stack.launch import Launcher
 from memsvc import protocol as p
 from memsvc.client import MemClient
-from scheduler_svc.launch import Launcher
 
 BATCH_SIZES = (1, 64, 256)
 PROMPT_LEN = 16  # tokens each decode request holds when (re)opened

@@ -37,12 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_step import PAGE_SIZE, Bench, best_seconds, bound_pool
 
+from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
 from memsvc.core import PoolLayout
 from memsvc.transfer import KVPoll
 from model_svc.model import LlamaModel
 from model_svc.tiny import write_tiny_checkpoint
-from scheduler_svc.launch import Launcher
 
 LENGTHS = (1024, 4096, 16384)
 

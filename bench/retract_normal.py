@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
 from model_svc.tiny import BOS_ID, write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
-from scheduler_svc.launch import Launcher
 
 PAGE_SIZE = 4
 MAX_RUNNING_REQUESTS = 32

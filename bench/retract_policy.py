@@ -55,10 +55,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retract_normal import PAGE_SIZE, Request, pool_args, serve_round, warm_up
 
+from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
 from model_svc.tiny import write_tiny_checkpoint
 from scheduler_svc.client import AsyncGenerateClient
-from scheduler_svc.launch import Launcher
 
 MODES = ("recompute", "offload", "auto")
 

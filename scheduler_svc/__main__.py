@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["normal", "prefill", "decode"],
         default="normal",
         help="normal: one node; prefill / decode: one side of a PD pair behind "
-        "`python -m scheduler_svc.router` (memsvc needs the matching --pd-role)",
+        "`python -m scheduler_svc.pd.router` (memsvc needs the matching --pd-role)",
     )
     parser.add_argument("--memsvc", required=True, help="memsvc address")
     parser.add_argument("--worker", required=True, help="model_svc address")
@@ -176,7 +176,8 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
     from model_svc.config import ModelConfig
     from model_svc.tokenizer import ByteTokenizer, load_tokenizer
     from scheduler_svc.engine import Engine
-    from scheduler_svc.pd import DecodeEngine, PrefillEngine
+    from scheduler_svc.pd.decode import DecodeEngine
+    from scheduler_svc.pd.prefill import PrefillEngine
     from scheduler_svc.recovery import Recovery
     from scheduler_svc.resilient import ResilientModelClient
     from scheduler_svc.service import SchedulerService

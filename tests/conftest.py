@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvstack.up.cli import pid_alive
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
-from scheduler_svc.supervisor_cli import pid_alive
 from tests.helpers import small_layout
 from tests.procs import (  # noqa: F401
     checkpoint,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.launch import REPO, Launcher, Service, start_service
+from kvstack.stack.launch import REPO, Launcher, Service, start_service
 
 __all__ = ["REPO", "SMALL_POOL", "Stack", "start_memsvc", "start_service", "start_stack"]
 

@@ -26,7 +26,7 @@ PARSERS = {
     "memsvc": "memsvc.__main__",
     "model_svc": "model_svc.__main__",
     "scheduler_svc": "scheduler_svc.__main__",
-    "scheduler_svc.router": "scheduler_svc.router",
+    "scheduler_svc.pd.router": "scheduler_svc.pd.router",
 }
 
 
@@ -80,7 +80,7 @@ def check(words: list[str]) -> None:
     elif program in PARSERS:
         parse(PARSERS[program], args)
     elif program == "kvstack":
-        from scheduler_svc.cli import build_parser
+        from kvstack.cli import build_parser
 
         build_parser(args).parse_args(args)
     elif program == "python" and args[:1] == ["-m"]:

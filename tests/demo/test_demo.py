@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc import demo, demo_plots
-from scheduler_svc.launch import REPO
+from kvstack.demo import cli as demo
+from kvstack.demo import plots as demo_plots
+from kvstack.stack.launch import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IDENTICAL = "token-identical to the no-pressure reference"
@@ -28,11 +29,11 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """One real ``python -m scheduler_svc.demo``; its work folders go under ``tmp``."""
+    """One real ``python -m kvstack.demo``; its work folders go under ``tmp``."""
     plots = tmp_path_factory.mktemp("plots") / "out"
     tmp = tmp_path_factory.mktemp("tmp")
     proc = subprocess.run(
-        [sys.executable, "-m", "scheduler_svc.demo", "--requests", "4", "--plots-dir", str(plots)],
+        [sys.executable, "-m", "kvstack.demo", "--requests", "4", "--plots-dir", str(plots)],
         cwd=REPO,
         env={**os.environ, "COLUMNS": "120", "TMPDIR": str(tmp)},
         capture_output=True,

@@ -61,12 +61,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstack.stack.spec import StackOptions, normal_stack, pd_stack
+from kvstack.up.cli import pid_alive
+from kvstack.up.supervisor import RestartPolicy, Supervisor
 from memsvc.client import MemClient
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
-from scheduler_svc.stack_spec import StackOptions, normal_stack, pd_stack
-from scheduler_svc.supervisor import RestartPolicy, Supervisor
-from scheduler_svc.supervisor_cli import pid_alive
 from tests.faults.proxy import FaultPlan, FaultProxy
 
 PAGE_SIZE = 4

@@ -21,7 +21,8 @@ from memsvc.sessions import NotOwnerError
 from model_svc.client import ForwardError
 from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import Engine
-from scheduler_svc.pd import DecodeEngine, PrefillEngine
+from scheduler_svc.pd.decode import DecodeEngine
+from scheduler_svc.pd.prefill import PrefillEngine
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
 from tests.helpers import small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output

@@ -60,11 +60,11 @@ def entry_point(command: Any) -> tuple[tuple[str, ...], list[str]] | None:
         module, rest = command[2], command[3:]
         if module.split(".")[0] not in KVSTACK_PACKAGES:
             return None
-        if module == "scheduler_svc.cli":
+        if module == "kvstack.cli":
             return (module, rest[0]), rest[1:]
         return (module,), rest
     if command[0] == "kvstack":
-        return ("scheduler_svc.cli", command[1]), command[2:]
+        return ("kvstack.cli", command[1]), command[2:]
     if command[0] in CONSOLE_SCRIPTS:
         return (command[0],), command[1:]
     return None
@@ -124,7 +124,7 @@ def parse_error(entry: tuple[str, ...], args: list[str]) -> str | None:
     if build is None:
         return None
     argv = [*entry[1:], *args]
-    parser = build(argv) if entry[0] == "scheduler_svc.cli" else build()
+    parser = build(argv) if entry[0] == "kvstack.cli" else build()
     stderr = io.StringIO()
     with contextlib.redirect_stderr(stderr):
         try:
@@ -229,7 +229,7 @@ def test_prometheus_scrapes_the_front_of_every_profile() -> None:
         host, port = target.rsplit(":", 1)
         assert host in services, f"prometheus scrapes {target}: no such service"
         entry = entry_point(services[host].get("command"))
-        assert entry is not None and entry[0] == ("scheduler_svc.cli", "serve"), target
+        assert entry is not None and entry[0] == ("kvstack.cli", "serve"), target
         assert option(entry[1], "--port") == port, target
         profiles |= set(services[host]["profiles"])
     assert profiles >= {"normal", "pd"}
@@ -294,7 +294,7 @@ def test_kvstack_services_have_healthchecks_and_restart(variant: str) -> None:
         if spec.get("restart") not in ("always", "unless-stopped", "on-failure"):
             problems.append(f"{name}: restart policy {spec.get('restart')!r}")
         ready = option(args, "--ready-file")
-        if entry == ("scheduler_svc.cli", "serve"):
+        if entry == ("kvstack.cli", "serve"):
             if f":{option(args, '--port')}/health" not in check:
                 problems.append(f"{name}: healthcheck {check!r} does not ask /health")
         elif not ready or ready not in check:
@@ -304,7 +304,7 @@ def test_kvstack_services_have_healthchecks_and_restart(variant: str) -> None:
                 problems.append(f"{name}: waits for {dep}, which has no healthcheck")
     for profile, wanted in {
         "normal": {"memsvc", "model_svc", "scheduler_svc", "serve"},
-        "pd": {"memsvc", "model_svc", "scheduler_svc", "scheduler_svc.router", "serve"},
+        "pd": {"memsvc", "model_svc", "scheduler_svc", "scheduler_svc.pd.router", "serve"},
     }.items():
         kinds = {kind(s) for s in services.values() if profile in s.get("profiles", [])}
         kinds.discard(None)
@@ -324,3 +324,15 @@ def test_dockerfiles_install_with_the_constraints() -> None:
         assert installs and all("-c constraints.txt" in line for line in installs), installs
     assert "gpu]" in gpu  # the cupy-cuda12x extra
     assert Path(DOCKER / "prometheus.yml").is_file()
+
+
+def test_dockerfiles_copy_every_package_the_project_installs() -> None:
+    """An image without one of the packages would install a `kvstack` that cannot import."""
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {pattern.rstrip("*") for pattern in include["packages"]["find"]["include"]}
+    assert packages == {"kvstack", "scheduler_svc", "model_svc", "memsvc"}
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        copied = set(re.findall(r"^COPY (\w+) \./\1$", (DOCKER / name).read_text(), re.M))
+        assert copied == packages, name

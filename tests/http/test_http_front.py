@@ -28,13 +28,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstack.serve.api import StreamText, merge_metrics, parse_metrics
+from kvstack.serve.cli import ServeError, start_stack
+from kvstack.up.cli import pid_alive
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
-from scheduler_svc.http_api import StreamText, merge_metrics, parse_metrics
-from scheduler_svc.http_front import ServeError, start_stack
-from scheduler_svc.supervisor_cli import pid_alive
 from tests.procs import REPO
 
 CAPACITY = 1024
@@ -65,7 +65,7 @@ def start_front(workdir: Path, name: str, *args: str, timeout: float = 120) -> F
     command = [
         sys.executable,
         "-m",
-        "scheduler_svc.cli",
+        "kvstack.cli",
         "serve",
         "--port",
         "0",

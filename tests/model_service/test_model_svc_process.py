@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
+from kvstack.stack.launch import TINY_MODEL_POOL
 from memsvc.client import MemClient
 from model_svc.client import ForwardError, ModelClient
 from model_svc.model import LlamaModel
 from model_svc.reference import generate_dense
-from scheduler_svc.launch import TINY_MODEL_POOL
 from tests.procs import REPO
 
 POOL = [

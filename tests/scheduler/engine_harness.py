@@ -1,10 +1,10 @@
 """An in-process stack for deterministic engine tests.
 
-``InProcessMem`` (shared with the simulator, :mod:`scheduler_svc.sim.inproc`)
+``InProcessMem`` (shared with the simulator, :mod:`kvstack.sim.inproc`)
 is the real memsvc client (same op code, same replies) wired straight to a
 :class:`MemService` instead of a socket. ``FakeModel`` answers forward calls
 with a token that depends only on the position and the token before it (the
-simulator's :func:`~scheduler_svc.sim.worker.next_token`), so a request that
+simulator's :func:`~kvstack.sim.worker.next_token`), so a request that
 is retracted and re-prefilled must produce the same tokens as one that is
 not: the engine's bookkeeping (which tokens are re-sent, at which positions)
 is what these tests check; the real model's numerics are checked in
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstack.sim.inproc import InProcessMem
+from kvstack.sim.worker import expected_output, next_token
 from model_svc.client import ForwardResult
-from scheduler_svc.sim.inproc import InProcessMem
-from scheduler_svc.sim.worker import expected_output, next_token
 
 __all__ = ["FakeModel", "InProcessMem", "expected_output", "next_token"]
 

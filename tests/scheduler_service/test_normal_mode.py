@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import zmq
 
+from kvstack.stack.launch import Launcher
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
 from scheduler_svc.core import RETRACT_ABORT_MESSAGE
-from scheduler_svc.launch import Launcher
 from tests.procs import REPO, start_stack
 
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]

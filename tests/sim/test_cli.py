@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.cli import main
+from kvstack.cli import main
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
+from kvstack.sim.costmodel import CostModel, parse_decode_points
+from kvstack.sim.settings import SimSpec, apply_setting, expand_sweeps, parse_sweep
+from kvstack.sim.worker import EOS, expected_output, next_token
+from kvstack.sim.workload import LengthDist, load_trace, prompt_tokens, synthetic
 from scheduler_svc.core import ConfigError
-from scheduler_svc.sim.costmodel import CostModel, parse_decode_points
-from scheduler_svc.sim.settings import SimSpec, apply_setting, expand_sweeps, parse_sweep
-from scheduler_svc.sim.worker import EOS, expected_output, next_token
-from scheduler_svc.sim.workload import LengthDist, load_trace, prompt_tokens, synthetic
 
 # bench/model_step.py on this CPU: prefill tokens/s by prompt length, decode ms by batch.
 BENCH_PREFILL = {512: 15_000, 2048: 10_800, 8192: 5_600}

@@ -8,16 +8,16 @@ from dataclasses import fields, replace
 
 import pytest
 
+from kvstack.sim import runner
+from kvstack.sim.costmodel import CostModel, SimClock
+from kvstack.sim.inproc import SimMem, build_service, tiny_layout
+from kvstack.sim.settings import SimSpec, expand_sweeps, parse_sweep
+from kvstack.sim.worker import EOS, expected_output
+from kvstack.sim.workload import RequestSpec, prompt_tokens, synthetic
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
 from scheduler_svc.core import Req, SamplingParams, SchedulerConfig, clamp_max_new_tokens
 from scheduler_svc.engine import Engine
-from scheduler_svc.sim import runner
-from scheduler_svc.sim.costmodel import CostModel, SimClock
-from scheduler_svc.sim.inproc import SimMem, build_service, tiny_layout
-from scheduler_svc.sim.settings import SimSpec, expand_sweeps, parse_sweep
-from scheduler_svc.sim.worker import EOS, expected_output
-from scheduler_svc.sim.workload import RequestSpec, prompt_tokens, synthetic
 from tests.helpers import small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem
 

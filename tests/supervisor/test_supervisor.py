@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
-from scheduler_svc.client import GenerateClient
-from scheduler_svc.stack_spec import (
+from kvstack.stack.spec import (
     ProcessSpec,
     StackOptions,
     StackUnavailableError,
     build_process_list,
 )
-from scheduler_svc.supervisor import STATE_FILE, RestartPolicy, Supervisor
-from scheduler_svc.supervisor_cli import pid_alive
+from kvstack.up.cli import pid_alive
+from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor
+from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from scheduler_svc.client import GenerateClient
 from tests.procs import REPO
 
 pytestmark = pytest.mark.timeout(600)
@@ -40,7 +40,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 def kvstack(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "scheduler_svc.cli", *args],
+        [sys.executable, "-m", "kvstack.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -85,7 +85,7 @@ class UpProcess:
         self.pids: set[int] = set()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "scheduler_svc.cli", "up", "--run-dir", str(run_dir), *args],
+                [sys.executable, "-m", "kvstack.cli", "up", "--run-dir", str(run_dir), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,

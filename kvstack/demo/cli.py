@@ -1,4 +1,4 @@
-"""``kvstack demo`` (``python -m scheduler_svc.demo``): normal and PD stacks under KV pressure.
+"""``kvstack demo`` (``python -m kvstack.demo``): normal and PD stacks under KV pressure.
 
 Starts, on the embedded defaults (shared-memory pool, CPU, the bundled tiny
 model), a normal-mode stack (memsvc, model_svc, scheduler_svc) and then a PD
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -38,9 +37,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient
-from scheduler_svc.launch import Launcher
 
 PAGE_SIZE = 4
 SMALL_PAGES = 64  # 256 tokens: the pool under pressure (the decode node's, in PD mode)
@@ -384,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstack.demo import plots as demo_plots
     from model_svc.tiny import default_checkpoint
-    from scheduler_svc import demo_plots
 
     console = Console()
     checkpoint = default_checkpoint()
@@ -436,7 +435,3 @@ def execute(checkpoint: Path, reqs, console: Console, interval_s: float):
                 runs[name] = runner(launcher, checkpoint, reqs, progress, interval_s)
             leaked += launcher.leaked_segments
     return runs, leaked
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_svc.sim.worker import VOCAB
+from kvstack.sim.worker import VOCAB
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ class LengthDist:
         params = tuple(float(p) for p in rest.split(sep))
         arity = {"uniform": 2, "normal": 2, "lognormal": 2, "exp": 1}
         if kind != "choice" and arity.get(kind) != len(params):
-            raise ValueError(f"bad length distribution {spec!r} (see scheduler_svc.sim.workload)")
+            raise ValueError(f"bad length distribution {spec!r} (see kvstack.sim.workload)")
         return cls(kind, params)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The supervisor behind ``kvstack up``: start a stack, restart what dies, stop it cleanly.
 
-:class:`Supervisor` runs a list of :class:`~scheduler_svc.stack_spec.ProcessSpec`
+:class:`Supervisor` runs a list of :class:`~kvstack.stack.spec.ProcessSpec`
 (``kvstack up`` uses it; tests, the fault harness and ``kvstack serve`` can too):
 
 - ``start()`` starts the processes in order, each once the previous one
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.health import check
-from scheduler_svc.launch import REPO, remove_segments
-from scheduler_svc.stack_spec import ProcessSpec
+from kvstack.stack.launch import REPO, remove_segments
+from kvstack.stack.spec import ProcessSpec
+from kvstack.up.health import check
 
 log = logging.getLogger("kvstack.supervisor")
 

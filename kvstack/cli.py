@@ -19,11 +19,11 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "demo": ("scheduler_svc.demo", "run the main job: normal and PD stacks under KV pressure"),
-    "serve": ("scheduler_svc.http_front", "serve the stack over SGLang's HTTP API"),
-    "up": ("scheduler_svc.supervisor_cli", "start one stack and restart what dies"),
-    "status": ("scheduler_svc.supervisor_status", "show the processes of a running stack"),
-    "sim": ("scheduler_svc.sim.cli", "simulate scheduling policies on a workload"),
+    "demo": ("kvstack.demo.cli", "run the main job: normal and PD stacks under KV pressure"),
+    "serve": ("kvstack.serve.cli", "serve the stack over SGLang's HTTP API"),
+    "up": ("kvstack.up.cli", "start one stack and restart what dies"),
+    "status": ("kvstack.up.status", "show the processes of a running stack"),
+    "sim": ("kvstack.sim.cli", "simulate scheduling policies on a workload"),
 }
 
 

@@ -24,6 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from kvstack.sim.costmodel import SimClock
+from kvstack.sim.inproc import RetractEvent, SimMem, build_service, tiny_layout
+from kvstack.sim.settings import SimSpec
+from kvstack.sim.timing import clock_engine_costs
+from kvstack.sim.worker import EOS, SimWorker, expected_output
+from kvstack.sim.workload import RequestSpec, prompt_tokens
 from memsvc.handlers import MemService
 from scheduler_svc.core import (
     Req,
@@ -34,12 +40,6 @@ from scheduler_svc.core import (
     clamp_max_new_tokens,
 )
 from scheduler_svc.engine import Engine
-from scheduler_svc.sim.costmodel import SimClock
-from scheduler_svc.sim.inproc import RetractEvent, SimMem, build_service, tiny_layout
-from scheduler_svc.sim.settings import SimSpec
-from scheduler_svc.sim.timing import clock_engine_costs
-from scheduler_svc.sim.worker import EOS, SimWorker, expected_output
-from scheduler_svc.sim.workload import RequestSpec, prompt_tokens
 
 
 @dataclass(slots=True)

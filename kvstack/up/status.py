@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.health import check
-from scheduler_svc.supervisor import STATE_FILE
-from scheduler_svc.supervisor_cli import pid_alive
+from kvstack.up.cli import pid_alive
+from kvstack.up.health import check
+from kvstack.up.supervisor import STATE_FILE
 
 EXIT_UNHEALTHY = 1
 EXIT_NO_STACK = 2

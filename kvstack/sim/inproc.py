@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstack.sim.costmodel import CostModel, SimClock
 from memsvc import protocol as wire
 from memsvc.client import _Call, _Client, _Session
 from memsvc.core import KVPool, PoolLayout
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.ops import AllocResult, RetractReply
-from scheduler_svc.sim.costmodel import CostModel, SimClock
 
 # The sim never reads KV: one layer, one head, head dim 1 keeps the buffer at
 # 4 bytes per token, so a GPU-sized pool (hundreds of thousands of tokens)

@@ -10,7 +10,7 @@ model and its learning rule, but replaces each measured duration by the
 simulated seconds the worker or SimMem just charged for that call.
 
 Units: the sim pool's layout has fake bytes per token (see
-:data:`~scheduler_svc.sim.inproc.TINY_KV_DIMS`), and the engine counts copy
+:data:`~kvstack.sim.inproc.TINY_KV_DIMS`), and the engine counts copy
 bytes and host-store room in those units; its prior copy rate (real bytes/s)
 is scaled into them so that ``offload_s`` comes out in real seconds.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvstack.sim.costmodel import CostModel, SimClock
 from scheduler_svc.core.retract_cost import RetractCostModel
-from scheduler_svc.sim.costmodel import CostModel, SimClock
 
 
 @dataclass

@@ -16,8 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after choosing the backend
 
-from scheduler_svc.sim.runner import SimResult
-from scheduler_svc.sim.settings import label
+from kvstack.sim.runner import SimResult
+from kvstack.sim.settings import label
 
 MAX_POINTS = 5000  # plotted per line; longer series are strided
 

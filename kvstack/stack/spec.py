@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scheduler_svc.launch import TINY_MODEL_POOL
+from kvstack.stack.launch import TINY_MODEL_POOL
 
 MAX_IPC_PATH = 100  # sun_path holds 108 bytes; keep a margin
 
@@ -226,7 +226,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     router = service_spec(
         run_dir,
         "router",
-        "scheduler_svc.router",
+        "scheduler_svc.pd.router",
         [
             "--prefill",
             via(schedulers["p"]),

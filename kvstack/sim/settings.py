@@ -6,7 +6,7 @@ A setting ``key=value`` goes, by key, to the first of:
 2. any :class:`~scheduler_svc.core.SchedulerConfig` field
    (``schedule_conservativeness``, ``retraction_policy``, ``retract_mode``
    once the config has it, ...), its value parsed after the field's default;
-3. any :class:`~scheduler_svc.sim.costmodel.CostModel` field.
+3. any :class:`~kvstack.sim.costmodel.CostModel` field.
 
 Nothing here names a scheduler field, so a field added to ``SchedulerConfig``
 can be set and swept as soon as it exists. Sweeps are the cartesian
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
+from kvstack.sim.costmodel import CostModel
 from scheduler_svc.core import SchedulerConfig
-from scheduler_svc.sim.costmodel import CostModel
 
 POOL_KEYS = ("pool_tokens", "page_size", "max_running_requests", "host_store_tokens")
 

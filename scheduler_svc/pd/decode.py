@@ -1,28 +1,4 @@
-"""PD disaggregation: the prefill node's and the decode node's scheduling loops.
-
-Both reuse :class:`Engine`; what differs is where a request's KV comes from
-and where it goes::
-
-    prefill node: waiting ─► prefill (Engine's admission) ─► pd_send ─► inflight ─► Success:
-                  release into the prefix tree, reply with the first token  | Failed: free, 500
-
-    decode node:  prealloc queue ─► row + pages reserved, pd_expect ─► transfer queue ─►
-                  Success: join the running batch with the first token (no compute) | Failed: 500
-                  running ─► retract: KV offloaded to memsvc-D's host store ─► retracted queue
-                  retracted ─► resume FIFO (load back into new pages) ─► running
-
-On the decode node, while anything is retracted no preallocation starts and no
-transfer is committed (SGLang's ``process_decode_queue``): the parked requests
-come back first. The prefill node is never involved in that recovery.
-
-When a node's memsvc loses the scheduler's KV (it restarted, or expired the
-session), :class:`scheduler_svc.recovery.Recovery` calls the engine's
-``requeue_kv_holders``: the prefill node prefills again every request that
-held KV there, and sends it to the same room (the decode side still waits
-for it); the decode node, which cannot prefill, re-bootstraps every
-request that held KV there (running, retracted to its host store, in the
-transfer queue) through the prefill node under a fresh room.
-"""
+"""The PD decode node's scheduling loop (see :mod:`scheduler_svc.pd`)."""
 
 from __future__ import annotations
 
@@ -32,152 +8,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from memsvc.core.errors import InvalidArgumentError, MemsvcError, OutOfRowsError
+from memsvc.core.errors import MemsvcError, OutOfRowsError
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState, ceil_page
 from scheduler_svc.engine import Engine
+from scheduler_svc.pd.rooms import (
+    TRANSFER_POLL_S,
+    abort_locally,
+    settled_rooms,
+    transfer_failed_message,
+)
 
 log = logging.getLogger("scheduler_svc")
-
-TRANSFER_POLL_S = 0.002  # loop wake-up while transfers are in flight
 TIMELINE_LEN = 4096
-
-
-def transfer_failed_message(req: Req, room: int, why: str) -> str:
-    return (
-        f"Decode transfer failed for request rank=0 req.rid={req.rid} "
-        f"bootstrap_room={room} with exception {why}"
-    )
-
-
-async def settled_rooms(mem: Any, rooms: list[int]) -> list[dict[str, Any]]:
-    """The reports of ``rooms`` whose transfer ended (Success or Failed); memsvc forgets those."""
-    reports = await mem.pd_status(rooms)
-    done = [r for r in reports if r["state"] in (KVPoll.SUCCESS, KVPoll.FAILED)]
-    if done:
-        await mem.pd_forget([r["room"] for r in done])
-    return done
-
-
-class PrefillEngine(Engine):
-    """Prefill only: every request's KV goes to the decode node, then into the tree here."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.inflight: dict[int, Req] = {}
-        self.stats.transfer_failed = 0
-
-    @property
-    def idle(self) -> bool:
-        return super().idle and not self.inflight
-
-    def idle_wait_s(self, default: float) -> float:
-        return TRANSFER_POLL_S if self.inflight else default
-
-    async def step(self) -> bool:
-        await self._apply_commands()
-        did = await self._prefill_round()
-        return await self._poll_inflight() or did
-
-    async def _prefilled(self, req: Req, token: int) -> None:
-        req.append_token(token)
-        self.stats.generated_tokens += 1
-        if req.bootstrap_room is None:
-            await self._abort(req, "a prefill node needs a bootstrap room", 400)
-            return
-        try:
-            await self.mem.pd_send(
-                req.rid,
-                req.bootstrap_room,
-                req.kv_len,
-                token,
-                cached_tokens=req.cached_tokens,
-                peer_rid=req.bootstrap_rid,
-            )
-        except InvalidArgumentError as exc:  # e.g. the room is still held by a dead predecessor
-            self.stats.transfer_failed += 1
-            await self._abort(req, transfer_failed_message(req, req.bootstrap_room, str(exc)), 500)
-            return
-        self.inflight[req.bootstrap_room] = req
-
-    async def _poll_inflight(self) -> bool:
-        if not self.inflight:
-            return False
-        done = await settled_rooms(self.mem, list(self.inflight))
-        if not done:
-            return False
-        for report in done:
-            req = self.inflight.pop(report["room"])
-            if report["state"] == KVPoll.SUCCESS:
-                req.check_finished(self.eos_token_ids)  # max_new_tokens is 1 here
-                await self._finish(req)
-            else:
-                self.stats.transfer_failed += 1
-                why = transfer_failed_message(req, report["room"], report["why"])
-                await self._abort(req, why, 500)
-        return True
-
-    async def _abort(self, req: Req, message: str, status_code: int) -> None:
-        room = req.bootstrap_room
-        if room is not None and self.inflight.get(room) is req:
-            del self.inflight[room]
-            try:
-                await self.mem.pd_forget([room])
-            except MemsvcError:
-                _abort_locally(self, req, message, status_code)
-                raise
-        await super()._abort(req, message, status_code)
-
-    # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
-
-    def requeue_kv_holders(self, why: str) -> list[Req]:
-        """memsvc-P lost our KV: every request that held some is prefilled again.
-
-        They go to the front of ``waiting``. One that had sampled its first
-        token (its KV was being sent, or about to be) starts over as a fresh
-        attempt of the same request: prefilled from its prompt, it samples the
-        same token and sends the same room again. The decode side still waits
-        for that room, unless it had received part of the pages (that transfer
-        then fails: 500) or all of them (the decode node runs the request; the
-        router aborts the leftover send here when the request ends). Returns them.
-        """
-        log.warning("memsvc-P lost the KV (%s): prefilling its holders again", why)
-        requeued = []
-        for req in list(self.reqs.values()):
-            if req.is_finished:
-                self._report(req)
-            elif req.output_ids:
-                fresh = Req(
-                    req.rid,
-                    req.origin_input_ids,
-                    req.sampling_params,
-                    priority=req.priority,
-                    bootstrap_room=req.bootstrap_room,
-                    bootstrap_rid=req.bootstrap_rid,
-                    arrival_time=req.arrival_time,
-                )
-                self.reqs[req.rid] = fresh
-                requeued.append(fresh)
-            elif req.state in (ReqState.PREFILLING, ReqState.RUNNING):
-                req.reset_for_retract()
-                requeued.append(req)
-        self.inflight.clear()
-        self.running.clear()
-        self.chunked = None
-        rest = [r for r in self.waiting if all(r.rid != q.rid for q in requeued)]
-        self.waiting.clear()
-        self.waiting.extend([*requeued, *rest])
-        return requeued
-
-    def forget_all(self) -> None:
-        """Every live request was failed (and reported): drop the PD queues too."""
-        self.inflight.clear()
-
-    def _report(self, req: Req) -> None:
-        self.reqs.pop(req.rid, None)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self.emit(req, True)
 
 
 class DecodeEngine(Engine):
@@ -449,7 +292,7 @@ class DecodeEngine(Engine):
                 await self.mem.pd_forget([room])
                 await self.mem.free_row(req.rid)
             except MemsvcError:
-                _abort_locally(self, req, message, status_code)
+                abort_locally(self, req, message, status_code)
                 raise
         await super()._abort(req, message, status_code)
 
@@ -460,15 +303,3 @@ class DecodeEngine(Engine):
             "retracted": len(self.retracted),
             "running": len(self.running),
         }
-
-
-def _abort_locally(engine: Engine, req: Req, message: str, status_code: int) -> None:
-    """memsvc failed while ``req`` was being aborted: it ends all the same.
-
-    The step's recovery (a new session; the old one's KV is reclaimed) then
-    reports it like any request that finished in a failed step, instead of
-    bringing it back.
-    """
-    if not req.is_finished:
-        req.abort(message, status_code)
-        engine.stats.aborted_reqs += 1

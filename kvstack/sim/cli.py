@@ -25,10 +25,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from scheduler_svc.sim import runner
-from scheduler_svc.sim.costmodel import CostModel
-from scheduler_svc.sim.runner import SimResult
-from scheduler_svc.sim.settings import (
+from kvstack.sim import runner
+from kvstack.sim.costmodel import CostModel
+from kvstack.sim.runner import SimResult
+from kvstack.sim.settings import (
     SimSpec,
     apply_setting,
     expand_sweeps,
@@ -36,7 +36,7 @@ from scheduler_svc.sim.settings import (
     parse_assignment,
     parse_sweep,
 )
-from scheduler_svc.sim.workload import RequestSpec, load_trace, synthetic
+from kvstack.sim.workload import RequestSpec, load_trace, synthetic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(_describe(args, workload))
     console.print(results_table(results))
     if args.plots:
-        from scheduler_svc.sim.plots import write_plots  # matplotlib only when asked
+        from kvstack.sim.plots import write_plots  # matplotlib only when asked
 
         for path in write_plots(results, args.plots):
             console.print(f"wrote {path}")

@@ -21,8 +21,8 @@ scheduler's intake rejections (a prompt that can never fit, ids out of the
 vocabulary...) keep the status code it gives them.
 
 This module is the command (flags, starting the stack, serving until a
-signal); the application is :mod:`scheduler_svc.http_app`, the wire formats
-:mod:`scheduler_svc.http_api`.
+signal); the application is :mod:`kvstack.serve.app`, the wire formats
+:mod:`kvstack.serve.api`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstack.serve.app import Backend, HttpFront
 from memsvc.cli import LOG_FORMAT, write_ready_file
-from scheduler_svc.http_app import Backend, HttpFront
 
 log = logging.getLogger("kvstack.http")
 
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             if args.scheduler:
                 backend = _fronted(args)
             else:
-                from scheduler_svc.launch import Launcher, LaunchError
+                from kvstack.stack.launch import Launcher, LaunchError
 
                 workdir = exits.enter_context(tempfile.TemporaryDirectory(prefix="kvstack-serve-"))
                 launcher = Launcher(workdir)

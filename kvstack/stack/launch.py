@@ -25,7 +25,7 @@ from typing import Any
 
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # memsvc flags for the bundled tiny model's geometry (4 layers, 2 KV heads of 64, float32).
 TINY_MODEL_POOL = [
@@ -253,7 +253,7 @@ class Launcher:
                 name=f"scheduler-{node}{suffix}",
             )
         up["router"] = self.start(
-            "scheduler_svc.router",
+            "scheduler_svc.pd.router",
             "--prefill",
             up["scheduler-p"].address,
             "--decode",

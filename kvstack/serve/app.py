@@ -19,9 +19,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from memsvc.client import PeerDeadError
-from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateError, GenerateResult
-from scheduler_svc.http_api import (
+from kvstack.serve.api import (
     SSE_DONE,
     AbortIn,
     ApiError,
@@ -35,6 +33,8 @@ from scheduler_svc.http_api import (
     parse_metrics,
     sse,
 )
+from memsvc.client import PeerDeadError
+from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateError, GenerateResult
 
 log = logging.getLogger("kvstack.http")
 

@@ -1,7 +1,7 @@
 """``kvstack up``: build the process list for a mode and supervise it until a signal.
 
-See :mod:`scheduler_svc.stack_spec` for what runs and
-:mod:`scheduler_svc.supervisor` for how it is kept running.
+See :mod:`kvstack.stack.spec` for what runs and
+:mod:`kvstack.up.supervisor` for how it is kept running.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
+from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT
-from scheduler_svc.stack_spec import StackOptions, StackUnavailableError, build_process_list
-from scheduler_svc.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 
 log = logging.getLogger("kvstack.supervisor")
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstack.sim.costmodel import CostModel, SimClock
 from model_svc.client import ForwardResult
-from scheduler_svc.sim.costmodel import CostModel, SimClock
 
 VOCAB = 250  # ordinary tokens are 0..VOCAB-1
 EOS = VOCAB  # never produced by next_token

@@ -1,0 +1,127 @@
+"""The router's watch over its two nodes: a silent prefill node, and a restarted scheduler.
+
+Every ``PING_INTERVAL_S`` the router asks each node's scheduler for ``info``.
+A prefill node silent for ``--prefill-timeout`` seconds fails the requests
+that wait on it. A node that answers with a new pid was restarted and lost
+what it ran, so it is caught up: a prefill scheduler gets the prefill requests
+its predecessor had not answered, a decode scheduler every live request again
+from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import zmq.asyncio
+
+from scheduler_svc.pd.flight import error_header
+
+if TYPE_CHECKING:
+    from scheduler_svc.pd.router import Router
+
+log = logging.getLogger("scheduler_svc.pd.router")
+
+PING_INTERVAL_S = 1.0
+
+
+class NodeWatch:
+    """Pings both nodes for ``router`` and catches up the one whose scheduler restarted."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.pids: dict[str, int | None] = {"prefill": None, "decode": None}  # who answers
+
+    async def watch_prefill(self) -> None:
+        """Ping the prefill node; if it stays silent, fail what waits on it."""
+        router = self.router
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            router.spawn(self._ping("prefill", router.prefill, self._prefill_restarted))
+            silent = time.monotonic() - router.prefill_seen
+            if silent < router.prefill_timeout_s:
+                continue
+            for flight in list(router.flights.values()):
+                if flight.current is not None and flight.prefill_error is None:
+                    why = f"prefill node unreachable for {silent:.0f}s"
+                    await router.prefill_failed(
+                        flight, error_header("prefill_unreachable", why, 500)
+                    )
+
+    async def watch_decode(self) -> None:
+        router = self.router
+        while True:
+            await asyncio.sleep(PING_INTERVAL_S)
+            router.spawn(self._ping("decode", router.decode, self._decode_restarted))
+
+    async def _ping(self, node: str, sock: zmq.asyncio.Socket, on_restart) -> None:
+        """``info``; a new scheduler process answering (a new pid) means the old one died.
+
+        (By the pid it reports rather than by the socket: a proxy in between
+        would hide the disconnect.) The restarted scheduler serves only after
+        ending its predecessor's memsvc session, so the old attempt's KV and
+        transfer rooms are gone by then.
+        """
+        info = await self.router.call(sock, {"op": "info"}, timeout=PING_INTERVAL_S)
+        pid = info.get("pid") if info and info.get("ok") else None
+        if pid is None:
+            return
+        known, self.pids[node] = self.pids[node], pid
+        if known is not None and known != pid:
+            await on_restart()
+
+    async def _prefill_restarted(self) -> None:
+        """The prefill scheduler was restarted: the new one gets what the old had not answered.
+
+        Same rid and room: the decode side still waits for that room. (The
+        successor ended its predecessor's memsvc session first, which cancelled
+        the transfers that session had started: those requests fail with 500.)
+        """
+        router = self.router
+        resent = 0
+        for flight in list(router.flights.values()):
+            current = flight.prefill_ops.get(flight.current) if flight.current else None
+            mark = flight.commit_mark
+            router.drop_prefill_ops(flight)
+            if flight.redrive_pending:
+                await router.prefill_again(flight)
+            elif current is not None:
+                await router.send_prefill(flight, *current, commit_mark=mark)
+            else:
+                continue
+            resent += 1
+        router.stats["prefill_resends"] += resent
+        log.warning("prefill scheduler restarted: %d requests sent to it again", resent)
+
+    async def _decode_restarted(self) -> None:
+        """The decode scheduler was restarted, and every request it ran is gone: start over.
+
+        Each live request goes to the new decode scheduler again (under its own
+        room; the stream restarts at offset 0 and clients drop what they already
+        have), and its prompt is prefilled again under a new name on the prefill
+        node, once that node has answered the prefill it still runs for the
+        room (that one may deliver to the new decode scheduler instead, or fail:
+        either way the new prefill follows). Re-bootstraps for the old
+        scheduler's rooms are aborted.
+        """
+        router = self.router
+        flights = list(router.flights.values())
+        for flight in flights:
+            room = flight.header["bootstrap_room"]
+            stale = [op for op, (h, _) in flight.prefill_ops.items() if h["bootstrap_room"] != room]
+            await router.abort_on_prefill([flight.prefill_ops[op][0]["rid"] for op in stale])
+            for op in stale:
+                del flight.prefill_ops[op]
+                router.by_prefill_op.pop(op, None)
+            flight.redrives += 1
+            flight.prefill_error = None
+            flight.current = None
+            await router.send_decode(flight)
+            if flight.prefill_ops:
+                flight.redrive_pending = True  # prefill again once they are answered
+            else:
+                await router.prefill_again(flight)
+        router.stats["redrives"] += len(flights)
+        log.warning("decode scheduler restarted: %d requests started over", len(flights))

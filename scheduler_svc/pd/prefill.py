@@ -1,0 +1,146 @@
+"""The PD prefill node's scheduling loop.
+
+A request is prefilled through the Engine's admission; then memsvc sends its KV
+to the decode node (``pd_send``) while it waits in ``inflight``. On Success it
+is released into the prefix tree and its first token is the reply; on Failed
+its KV is freed and it fails with 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from memsvc.core.errors import InvalidArgumentError, MemsvcError
+from memsvc.transfer import KVPoll
+from scheduler_svc.core import Req, ReqState
+from scheduler_svc.engine import Engine
+from scheduler_svc.pd.rooms import (
+    TRANSFER_POLL_S,
+    abort_locally,
+    settled_rooms,
+    transfer_failed_message,
+)
+
+log = logging.getLogger("scheduler_svc")
+
+
+class PrefillEngine(Engine):
+    """Prefill only: every request's KV goes to the decode node, then into the tree here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.inflight: dict[int, Req] = {}
+        self.stats.transfer_failed = 0
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and not self.inflight
+
+    def idle_wait_s(self, default: float) -> float:
+        return TRANSFER_POLL_S if self.inflight else default
+
+    async def step(self) -> bool:
+        await self._apply_commands()
+        did = await self._prefill_round()
+        return await self._poll_inflight() or did
+
+    async def _prefilled(self, req: Req, token: int) -> None:
+        req.append_token(token)
+        self.stats.generated_tokens += 1
+        if req.bootstrap_room is None:
+            await self._abort(req, "a prefill node needs a bootstrap room", 400)
+            return
+        try:
+            await self.mem.pd_send(
+                req.rid,
+                req.bootstrap_room,
+                req.kv_len,
+                token,
+                cached_tokens=req.cached_tokens,
+                peer_rid=req.bootstrap_rid,
+            )
+        except InvalidArgumentError as exc:  # e.g. the room is still held by a dead predecessor
+            self.stats.transfer_failed += 1
+            await self._abort(req, transfer_failed_message(req, req.bootstrap_room, str(exc)), 500)
+            return
+        self.inflight[req.bootstrap_room] = req
+
+    async def _poll_inflight(self) -> bool:
+        if not self.inflight:
+            return False
+        done = await settled_rooms(self.mem, list(self.inflight))
+        if not done:
+            return False
+        for report in done:
+            req = self.inflight.pop(report["room"])
+            if report["state"] == KVPoll.SUCCESS:
+                req.check_finished(self.eos_token_ids)  # max_new_tokens is 1 here
+                await self._finish(req)
+            else:
+                self.stats.transfer_failed += 1
+                why = transfer_failed_message(req, report["room"], report["why"])
+                await self._abort(req, why, 500)
+        return True
+
+    async def _abort(self, req: Req, message: str, status_code: int) -> None:
+        room = req.bootstrap_room
+        if room is not None and self.inflight.get(room) is req:
+            del self.inflight[room]
+            try:
+                await self.mem.pd_forget([room])
+            except MemsvcError:
+                abort_locally(self, req, message, status_code)
+                raise
+        await super()._abort(req, message, status_code)
+
+    # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
+
+    def requeue_kv_holders(self, why: str) -> list[Req]:
+        """memsvc-P lost our KV: every request that held some is prefilled again.
+
+        They go to the front of ``waiting``. One that had sampled its first
+        token (its KV was being sent, or about to be) starts over as a fresh
+        attempt of the same request: prefilled from its prompt, it samples the
+        same token and sends the same room again. The decode side still waits
+        for that room, unless it had received part of the pages (that transfer
+        then fails: 500) or all of them (the decode node runs the request; the
+        router aborts the leftover send here when the request ends). Returns them.
+        """
+        log.warning("memsvc-P lost the KV (%s): prefilling its holders again", why)
+        requeued = []
+        for req in list(self.reqs.values()):
+            if req.is_finished:
+                self._report(req)
+            elif req.output_ids:
+                fresh = Req(
+                    req.rid,
+                    req.origin_input_ids,
+                    req.sampling_params,
+                    priority=req.priority,
+                    bootstrap_room=req.bootstrap_room,
+                    bootstrap_rid=req.bootstrap_rid,
+                    arrival_time=req.arrival_time,
+                )
+                self.reqs[req.rid] = fresh
+                requeued.append(fresh)
+            elif req.state in (ReqState.PREFILLING, ReqState.RUNNING):
+                req.reset_for_retract()
+                requeued.append(req)
+        self.inflight.clear()
+        self.running.clear()
+        self.chunked = None
+        rest = [r for r in self.waiting if all(r.rid != q.rid for q in requeued)]
+        self.waiting.clear()
+        self.waiting.extend([*requeued, *rest])
+        return requeued
+
+    def forget_all(self) -> None:
+        """Every live request was failed (and reported): drop the PD queues too."""
+        self.inflight.clear()
+
+    def _report(self, req: Req) -> None:
+        self.reqs.pop(req.rid, None)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.emit(req, True)
