@@ -23,21 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstack.stack.model_pool import pool_layout_args, worker_threads
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 
 REPO = Path(__file__).resolve().parents[2]
-
-# memsvc flags for the bundled tiny model's geometry (4 layers, 2 KV heads of 64, float32).
-TINY_MODEL_POOL = [
-    "--num-layers",
-    "4",
-    "--num-kv-heads",
-    "2",
-    "--head-dim",
-    "64",
-    "--dtype",
-    "float32",
-]
 
 
 class LaunchError(RuntimeError):
@@ -150,24 +139,29 @@ class Launcher:
         pool: list[str],
         scheduler: list[str] = (),
         *,
-        model: Sequence[str] = ("--threads", "1"),
+        model: Sequence[str] = (),
         suffix: str = "",
         env: dict[str, str] | None = None,
         log_level: str | None = None,
     ) -> tuple[Service, Service, Service]:
         """memsvc + model_svc + scheduler_svc in normal mode, wired together.
 
-        ``model``: extra model_svc flags (``--device cuda`` with a cuda pool).
+        memsvc's layout comes from the checkpoint (``pool`` may repeat it, not
+        contradict it). ``model``: extra model_svc flags (``--device cuda``
+        with a cuda pool; ``--threads N``, by default every usable core).
         ``log_level``, if given, is passed to each as ``--log-level``.
         """
         logging = ["--log-level", log_level] if log_level else []
-        mem = self.start("memsvc", *TINY_MODEL_POOL, *pool, *logging, name=f"memsvc{suffix}")
+        layout = pool_layout_args(checkpoint, pool)
+        mem = self.start("memsvc", *layout, *pool, *logging, name=f"memsvc{suffix}")
         model = self.start(
             "model_svc",
             "--memsvc",
             mem.address,
             "--checkpoint",
             str(checkpoint),
+            "--threads",
+            str(worker_threads(1)),
             *model,
             *logging,
             name=f"model_svc{suffix}",
@@ -195,7 +189,7 @@ class Launcher:
         decode_scheduler: list[str] = (),
         transfer_backend: str = "auto",
         transfer_timeout: float = 5.0,
-        model: Sequence[str] = ("--threads", "1"),
+        model: Sequence[str] = (),
         suffix: str = "",
         log_level: str | None = None,
     ) -> dict[str, Service]:
@@ -203,6 +197,8 @@ class Launcher:
 
         ``pool`` / ``scheduler`` apply to both nodes; ``decode_pool`` /
         ``decode_scheduler`` add to (and win over) them on the decode node.
+        Each memsvc's layout comes from the checkpoint; the two workers split
+        the usable cores (``model`` may set ``--threads``).
         """
         logging = ["--log-level", log_level] if log_level else []
         transfer = [
@@ -220,7 +216,7 @@ class Launcher:
             node_pool = [*pool, *(decode_pool or [])] if node == "d" else pool
             up[f"memsvc-{node}"] = self.start(
                 "memsvc",
-                *TINY_MODEL_POOL,
+                *pool_layout_args(checkpoint, node_pool),
                 *node_pool,
                 "--pd-role",
                 role,
@@ -235,6 +231,8 @@ class Launcher:
                 up[f"memsvc-{node}"].address,
                 "--checkpoint",
                 str(checkpoint),
+                "--threads",
+                str(worker_threads(2)),
                 *model,
                 *logging,
                 name=f"model_svc-{node}{suffix}",

@@ -2,13 +2,13 @@
 
 A stack is a list of :class:`ProcessSpec` (command, address, ready file,
 which health check applies), built by :func:`build_process_list` for a mode:
-``normal`` is memsvc + model_svc (the bundled tiny model by default) +
-scheduler_svc, wired over ``ipc://`` sockets in the run directory; ``pd`` is a
-decode node and a prefill node (memsvc-d, memsvc-p, model_svc-d, model_svc-p,
-scheduler-d, scheduler-p, the two memsvc linked by a transfer socket) and the
-router in front. Every address is fixed by the run directory, so a restarted
-process comes back where its peers (the router, the other memsvc, the
-workers) reconnect by themselves.
+``normal`` is memsvc (its layout read from the checkpoint) + model_svc (the
+bundled tiny model by default) + scheduler_svc, wired over ``ipc://`` sockets
+in the run directory; ``pd`` is a decode node and a prefill node (memsvc-d,
+memsvc-p, model_svc-d, model_svc-p, scheduler-d, scheduler-p, the two memsvc
+linked by a transfer socket) and the router in front. Every address is fixed
+by the run directory, so a restarted process comes back where its peers (the
+router, the other memsvc, the workers) reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstack.stack.launch import TINY_MODEL_POOL
+from kvstack.stack.model_pool import pool_layout_args, worker_threads
 
 MAX_IPC_PATH = 100  # sun_path holds 108 bytes; keep a margin
 
@@ -104,7 +104,10 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     logging_args = ["--log-level", options.log_level] if options.log_level else []
     checkpoint = options.checkpoint or str(default_checkpoint())
     mem = service_spec(
-        run_dir, "memsvc", "memsvc", [*TINY_MODEL_POOL, *options.memsvc_args, *logging_args]
+        run_dir,
+        "memsvc",
+        "memsvc",
+        [*pool_layout_args(checkpoint, options.memsvc_args), *options.memsvc_args, *logging_args],
     )
     model = service_spec(
         run_dir,
@@ -116,7 +119,7 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             "--checkpoint",
             checkpoint,
             "--threads",
-            "1",
+            str(worker_threads(1)),
             *options.model_args,
             *logging_args,
         ],
@@ -174,7 +177,15 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             run_dir,
             f"memsvc-{node}",
             "memsvc",
-            [*TINY_MODEL_POOL, *pool, "--pd-role", role, *transfer, *peers[node], *logging_args],
+            [
+                *pool_layout_args(checkpoint, pool),
+                *pool,
+                "--pd-role",
+                role,
+                *transfer,
+                *peers[node],
+                *logging_args,
+            ],
             kind="memsvc",
             extra_files=(transfer_sock,) if decode else (),
         )
@@ -193,7 +204,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
                 "--checkpoint",
                 checkpoint,
                 "--threads",
-                "1",
+                str(worker_threads(len(PD_NODES))),
                 *options.model_args,
                 *logging_args,
             ],

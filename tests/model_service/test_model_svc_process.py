@@ -9,15 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from kvstack.stack.launch import TINY_MODEL_POOL
+from kvstack.stack.model_pool import pool_layout_args
 from memsvc.client import MemClient
 from model_svc.client import ForwardError, ModelClient
 from model_svc.model import LlamaModel
 from model_svc.reference import generate_dense
 from tests.procs import REPO
 
-POOL = [
-    *TINY_MODEL_POOL,
+POOL_SIZE = [
     "--page-size",
     "4",
     "--num-pages",
@@ -31,7 +30,7 @@ POOL = [
 
 @pytest.fixture
 def stack(memsvc_factory, service_factory, checkpoint):
-    svc = memsvc_factory(*POOL)
+    svc = memsvc_factory(*pool_layout_args(checkpoint), *POOL_SIZE)
     model = service_factory(
         "model_svc", "--memsvc", svc.address, "--checkpoint", str(checkpoint), "--threads", "1"
     )
@@ -118,7 +117,7 @@ def test_rerunning_a_forward_pass_gives_same_tokens_and_bytes(stack) -> None:
 
 
 def test_layout_mismatch_is_a_clear_error(tmp_path, memsvc_factory, checkpoint) -> None:
-    wrong = [*POOL]
+    wrong = [*pool_layout_args(checkpoint), *POOL_SIZE]
     wrong[wrong.index("--head-dim") + 1] = "32"
     svc = memsvc_factory(*wrong)
     out = subprocess.run(
