@@ -1,9 +1,16 @@
 """The model's shape, read from a Hugging Face ``config.json`` (LlamaConfig field names).
 
+Both layouts that transformers writes are read: 4.x's (``rope_theta`` and
+``rope_scaling`` at the top level, ``torch_dtype``) and 5.x's (RoPE inside
+``rope_parameters``, ``dtype``, ``head_dim`` always written). A
+``generation_config.json`` beside the file adds its stop ids.
+
 Only what the Llama decoder needs is kept; everything else in the file is
 ignored, except settings that would change the math this worker implements
-(a different architecture, activation, biases or RoPE scaling kind), which are
-rejected instead of being silently ignored.
+(another architecture, activation, biases, RoPE kind, partial rotary, quantized
+weights), which are refused by name instead of being silently ignored. A field
+that is absent takes LlamaConfig's own default (``rope_theta`` 10000,
+``rms_norm_eps`` 1e-6, ...), which is what transformers itself would use.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from typing import Any
 from model_svc.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 _REQUIRED_INTS = (
     "vocab_size",
@@ -26,11 +34,21 @@ _REQUIRED_INTS = (
     "num_attention_heads",
 )
 _ROPE_KINDS = ("default", "linear", "llama3")
+# The checkpoint's own dtype (4.x ``torch_dtype``, 5.x ``dtype``).
+DTYPES = ("float32", "float16", "bfloat16")
+# The classes whose math is exactly this worker's: no other transformers class is
+# (Mistral adds a sliding window, Qwen2 q/k/v biases, Gemma a scaled embedding and
+# GeGLU, ...), so checkpoints of those are refused even where the tensors would fit.
+ARCHITECTURES = ("LlamaForCausalLM",)
+_DEFAULT_ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """``rope_scaling`` of the config: ``linear`` or ``llama3`` (Llama 3.1+)."""
+    """RoPE scaling: ``linear`` or ``llama3`` (Llama 3.1+).
+
+    4.x's ``rope_scaling``, or the scaling fields of 5.x's ``rope_parameters``.
+    """
 
     kind: str
     factor: float
@@ -49,12 +67,20 @@ class RopeScaling:
             raise CheckpointError("rope_scaling needs high_freq_factor > low_freq_factor > 0")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> RopeScaling | None:
+    def from_dict(
+        cls, data: dict[str, Any] | None, source: str = "rope_scaling"
+    ) -> RopeScaling | None:
+        """``data`` is a ``rope_scaling`` or a ``rope_parameters`` (named by ``source``)."""
         if not data:
             return None
+        if not isinstance(data, dict):
+            raise CheckpointError(f"{source} must be an object, got {data!r}")
         kind = data.get("rope_type", data.get("type", "default"))
         if kind == "default":
             return None
+        if kind not in _ROPE_KINDS:
+            what = "rope_scaling type" if source == "rope_scaling" else f"{source} rope_type"
+            raise CheckpointError(f"{what} {kind!r} is not supported (only {_ROPE_KINDS})")
         try:
             if kind == "llama3":
                 return cls(
@@ -66,7 +92,7 @@ class RopeScaling:
                 )
             return cls(kind, float(data["factor"]))
         except KeyError as exc:
-            raise CheckpointError(f"rope_scaling of type {kind!r} lacks {exc.args[0]!r}") from None
+            raise CheckpointError(f"{source} of type {kind!r} lacks {exc.args[0]!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
         if self.kind == "linear":
@@ -88,16 +114,24 @@ class ModelConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
+    # Given by the config (5.x always writes it; it may differ from
+    # hidden_size // num_attention_heads), else derived from those two.
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    # 4.x's top-level rope_theta or 5.x's rope_parameters["rope_theta"].
+    rope_theta: float = _DEFAULT_ROPE_THETA
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    # HF's ``eos_token_id`` may be one id or a list (Llama 3 has several).
+    # Every stop id: config.json's ``eos_token_id`` (one id or a list: Llama 3 has
+    # several), then those generation_config.json adds, without repeats.
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     rope_scaling: RopeScaling | None = field(default=None)
+    # The dtype the checkpoint's weights were saved in (4.x ``torch_dtype``, 5.x
+    # ``dtype``): one of DTYPES, "float32" where the config says none. Informational:
+    # the loader casts to the compute dtype it is asked for.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in (*_REQUIRED_INTS, "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -113,15 +147,22 @@ class ModelConfig:
             raise CheckpointError(f"head_dim must be even for RoPE, got {self.head_dim}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise CheckpointError(f"config {name} must be a positive number, got {value!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise CheckpointError("config tie_word_embeddings must be true or false")
+        if self.dtype not in DTYPES:
+            raise CheckpointError(
+                f"config dtype {self.dtype!r} is not supported (only {', '.join(DTYPES)})"
+            )
         specials = [self.bos_token_id, self.pad_token_id, *self.eos_token_ids]
         for token_id in specials:
-            if token_id is not None and not (
-                isinstance(token_id, int) and 0 <= token_id < self.vocab_size
-            ):
+            if token_id is not None and not _in_vocab(token_id, self.vocab_size):
                 raise CheckpointError(
                     f"special token id {token_id!r} is outside the vocabulary ({self.vocab_size})"
                 )
@@ -144,8 +185,14 @@ class ModelConfig:
     # -- HF config.json --------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from the fields of an HF ``LlamaConfig`` dict."""
+    def from_dict(
+        cls, data: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Build from the fields of an HF ``LlamaConfig`` dict (4.x or 5.x layout).
+
+        ``generation`` is the ``generation_config.json`` dict, if any: its
+        ``eos_token_id`` adds stop ids, its ``bos_token_id`` fills a missing one.
+        """
         _reject_unsupported(data)
         missing = [name for name in _REQUIRED_INTS if name not in data]
         if missing:
@@ -159,49 +206,50 @@ class ModelConfig:
                     f"num_attention_heads {heads} (and no head_dim is given)"
                 )
             head_dim = data["hidden_size"] // heads
-        eos = data.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        kv_heads = data.get("num_key_value_heads")
+        rope_theta, rope_scaling = _read_rope(data)
+        bos_id, eos_ids = _read_special_ids(data, generation or {})
         return cls(
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
             intermediate_size=data["intermediate_size"],
             num_hidden_layers=data["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=data.get("num_key_value_heads") or heads,
+            num_key_value_heads=heads if kv_heads is None else kv_heads,
             head_dim=head_dim,
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
-            rope_theta=data.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=data.get("max_position_embeddings", 2048),
             tie_word_embeddings=data.get("tie_word_embeddings", False),
-            bos_token_id=data.get("bos_token_id"),
+            bos_token_id=bos_id,
             eos_token_ids=eos_ids,
             pad_token_id=data.get("pad_token_id"),
-            rope_scaling=RopeScaling.from_dict(data.get("rope_scaling")),
+            rope_scaling=rope_scaling,
+            dtype=_read_dtype(data),
         )
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (a file, or the checkpoint directory that holds one)."""
+        """Read ``config.json`` (a file, or the checkpoint directory that holds one),
+        with the ``generation_config.json`` beside it when there is one."""
         path = Path(path)
         if path.is_dir():
             path = path / CONFIG_FILE
+        data = _read_json(path)
+        generation_path = path.parent / GENERATION_CONFIG_FILE
+        generation = _read_json(generation_path) if generation_path.exists() else None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: not a readable JSON file ({exc})") from None
-        if not isinstance(data, dict):
-            raise CheckpointError(f"{path}: expected a JSON object")
-        try:
-            return cls.from_dict(data)
+            return cls.from_dict(data, generation)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: a field has the wrong type ({exc})") from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The HF ``config.json`` form (what :meth:`from_dict` reads back)."""
+        """The HF ``config.json`` form (what :meth:`from_dict` reads back).
+
+        Written in the 4.x layout, which transformers 5.x reads too.
+        """
         eos: int | list[int] | None = (
             None
             if not self.eos_token_ids
@@ -210,8 +258,9 @@ class ModelConfig:
             else list(self.eos_token_ids)
         )
         return {
-            "architectures": ["LlamaForCausalLM"],
+            "architectures": list(ARCHITECTURES),
             "model_type": "llama",
+            "torch_dtype": self.dtype,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -233,14 +282,147 @@ class ModelConfig:
         }
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _in_vocab(token_id: object, vocab_size: object) -> bool:
+    return (
+        isinstance(token_id, int)
+        and not isinstance(token_id, bool)
+        and isinstance(vocab_size, int)
+        and 0 <= token_id < vocab_size
+    )
+
+
 def _reject_unsupported(data: dict[str, Any]) -> None:
     """Settings that change the math: refuse them rather than compute something else."""
+    architectures = data.get("architectures")
+    if architectures is not None:
+        if not isinstance(architectures, list) or not all(
+            isinstance(name, str) for name in architectures
+        ):
+            raise CheckpointError(
+                f"architectures must be a list of class names, got {architectures!r}"
+            )
+        others = [name for name in architectures if name not in ARCHITECTURES]
+        if others:
+            raise CheckpointError(
+                f"architectures {others!r} are not supported (only {list(ARCHITECTURES)})"
+            )
     model_type = data.get("model_type", "llama")
     if model_type != "llama":
         raise CheckpointError(f"model_type {model_type!r} is not supported (only 'llama')")
+    quantization = data.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            "quantized weights are not supported (quantization_config with quant_method "
+            f"{'unknown' if method is None else repr(method)}); this worker runs dense weights"
+        )
     act = data.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointError(f"hidden_act {act!r} is not supported (only 'silu')")
     for name in ("attention_bias", "mlp_bias"):
         if data.get(name):
             raise CheckpointError(f"{name}=true is not supported")
+
+
+def _check_full_rotary(value: object, name: str) -> None:
+    if value is not None and value != 1.0:
+        raise CheckpointError(
+            f"{name} {value!r} is not supported (RoPE over the whole head_dim only)"
+        )
+
+
+def _read_rope(data: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from 4.x's top-level fields or 5.x's
+    ``rope_parameters``; where a config has both, they must agree."""
+    _check_full_rotary(data.get("partial_rotary_factor"), "partial_rotary_factor")
+    top_theta = data.get("rope_theta")
+    legacy = data.get("rope_scaling")
+    legacy_scaling = RopeScaling.from_dict(legacy, "rope_scaling")
+    params = data.get("rope_parameters")
+    if params is None:
+        return (_DEFAULT_ROPE_THETA if top_theta is None else top_theta), legacy_scaling
+    if not isinstance(params, dict):
+        raise CheckpointError(f"rope_parameters must be an object, got {params!r}")
+    if any(isinstance(value, dict) for value in params.values()):
+        raise CheckpointError(
+            f"one rope_parameters per layer type ({', '.join(map(str, params))}) is not "
+            "supported (Llama has one RoPE for every layer)"
+        )
+    _check_full_rotary(params.get("partial_rotary_factor"), "rope_parameters partial_rotary_factor")
+    theta = params.get("rope_theta")
+    if theta is None:
+        # As transformers 5.x fills it: the top-level value, else Llama's default.
+        theta = _DEFAULT_ROPE_THETA if top_theta is None else top_theta
+    elif top_theta is not None and top_theta != theta:
+        raise CheckpointError(
+            f"rope_theta {top_theta!r} (top level, the 4.x form) disagrees with "
+            f"rope_parameters' rope_theta {theta!r} (the 5.x form)"
+        )
+    scaling = RopeScaling.from_dict(params, "rope_parameters")
+    if legacy is not None and legacy_scaling != scaling:
+        raise CheckpointError(
+            f"rope_scaling {legacy!r} (the 4.x form) disagrees with rope_parameters "
+            f"{params!r} (the 5.x form)"
+        )
+    return theta, scaling
+
+
+def _read_dtype(data: dict[str, Any]) -> str:
+    found = {key: data[key] for key in ("torch_dtype", "dtype") if data.get(key) is not None}
+    for key, value in found.items():
+        if value not in DTYPES:
+            raise CheckpointError(f"{key} {value!r} is not supported (only {', '.join(DTYPES)})")
+    if len(set(found.values())) > 1:
+        raise CheckpointError(
+            f"torch_dtype {found['torch_dtype']!r} and dtype {found['dtype']!r} disagree"
+        )
+    return next(iter(found.values()), "float32")
+
+
+def _token_ids(value: object, name: str) -> tuple[int, ...]:
+    """``eos_token_id``: absent, one id, or a list of ids."""
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise CheckpointError(f"{name} must be an int or a list of ints, got {value!r}")
+    return tuple(ids)
+
+
+def _read_special_ids(
+    data: dict[str, Any], generation: dict[str, Any]
+) -> tuple[int | None, tuple[int, ...]]:
+    """``(bos_token_id, eos_token_ids)``: config.json's, merged with generation_config.json's."""
+    bos = data.get("bos_token_id")
+    eos = _token_ids(data.get("eos_token_id"), "eos_token_id")
+    if not generation:
+        return bos, eos
+    where = GENERATION_CONFIG_FILE
+    extra_eos = _token_ids(generation.get("eos_token_id"), f"{where} eos_token_id")
+    extra_bos = generation.get("bos_token_id")
+    vocab = data["vocab_size"]
+    for token_id in (*extra_eos, extra_bos):
+        if token_id is not None and isinstance(vocab, int) and not _in_vocab(token_id, vocab):
+            raise CheckpointError(
+                f"{where}: special token id {token_id!r} is outside the vocabulary ({vocab})"
+            )
+    if extra_bos is not None:
+        if bos is None:
+            bos = extra_bos
+        elif extra_bos != bos:
+            raise CheckpointError(
+                f"{where}: bos_token_id {extra_bos!r} disagrees with {CONFIG_FILE}'s {bos!r}"
+            )
+    return bos, tuple(dict.fromkeys((*eos, *extra_eos)))
