@@ -260,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
                 backend = _fronted(args)
             else:
                 from kvstack.stack.launch import Launcher, LaunchError
+                from kvstack.stack.model_pool import PoolMismatchError
+                from model_svc.errors import CheckpointError
 
                 workdir = exits.enter_context(tempfile.TemporaryDirectory(prefix="kvstack-serve-"))
                 launcher = Launcher(workdir)
@@ -267,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
                 exits.enter_context(launcher)
                 try:
                     backend = start_stack(launcher, args.mode, args)
-                except LaunchError as exc:
+                except (LaunchError, PoolMismatchError, CheckpointError) as exc:
                     raise ServeError(str(exc)) from None
             if signals.received is not None:
                 log.info("signal %d while starting: stopping", signals.received)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstack.stack.model_pool import pool_layout_args, worker_threads
+from kvstack.stack.model_pool import PoolMismatchError, pool_layout_args, worker_threads
 
 MAX_IPC_PATH = 100  # sun_path holds 108 bytes; keep a margin
 
@@ -252,8 +252,12 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
 
 def build_process_list(mode: str, run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     """The processes of a ``mode`` stack, in start order (the one place a mode is defined)."""
-    if mode == "normal":
-        return normal_stack(run_dir, options)
-    if mode == "pd":
-        return pd_stack(run_dir, options)
-    raise StackUnavailableError(f"unknown stack mode {mode!r}")
+    from model_svc.errors import CheckpointError
+
+    builders = {"normal": normal_stack, "pd": pd_stack}
+    if mode not in builders:
+        raise StackUnavailableError(f"unknown stack mode {mode!r}")
+    try:
+        return builders[mode](run_dir, options)
+    except (PoolMismatchError, CheckpointError) as exc:
+        raise StackUnavailableError(str(exc)) from None

@@ -17,7 +17,7 @@ from kvstack.stack.model_pool import (
     pool_layout_args,
     worker_threads,
 )
-from kvstack.stack.spec import StackOptions, build_process_list
+from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from memsvc.client import MemClient
 from model_svc.errors import CheckpointError
 from model_svc.tiny import tiny_config, tiny_state_dict, write_checkpoint
@@ -120,3 +120,12 @@ def test_a_contradicting_pool_flag_starts_nothing(launcher, other_shape):
     with pytest.raises(PoolMismatchError, match="--head-dim 64"):
         launcher.start_normal_stack(path, [*POOL, "--head-dim", "64"])
     assert launcher.services == []
+
+
+def test_kvstack_up_says_why_a_checkpoint_does_not_fit(tmp_path, other_shape):
+    """A clear StackUnavailableError (kvstack up prints it and exits 2), not a traceback."""
+    bad = StackOptions(checkpoint=str(other_shape), memsvc_args=["--num-layers", "4"])
+    with pytest.raises(StackUnavailableError, match="--num-layers 4 contradicts"):
+        build_process_list("pd", tmp_path, bad)
+    with pytest.raises(StackUnavailableError, match="no such file"):
+        build_process_list("normal", tmp_path, StackOptions(checkpoint=str(tmp_path / "none")))
