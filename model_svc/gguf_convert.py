@@ -46,13 +46,11 @@ import numpy as np
 import torch
 
 from model_svc.checkpoint import WEIGHTS_FILE, expected_shapes
-from model_svc.config import CONFIG_FILE, ModelConfig, RopeScaling
+from model_svc.config import CONFIG_FILE, GENERATION_CONFIG_FILE, ModelConfig, RopeScaling
 from model_svc.errors import CheckpointError
 from model_svc.tiny import write_checkpoint
-from model_svc.tokenizer import TOKENIZER_FILE
+from model_svc.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 CONVERSION_FILE = "conversion.json"
 # Every file of a converted folder; CONVERSION_FILE is the one that marks it as ours.
 CONVERTED_FILES = (
@@ -227,7 +225,9 @@ def _model_config(src: _Gguf, tensor_names: set[str]) -> ModelConfig:
         )
     tokens = src.require("tokenizer.ggml.tokens")
     vocab = src.scalar("llama.vocab_size", int, len(tokens))
-    eos = src.get("tokenizer.ggml.eos_token_id")
+    # End of sequence, then llama.cpp's end of turn and end of message: each stops a reply.
+    stops = (src.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom"))
+    eos_ids = tuple(dict.fromkeys(int(i) for i in stops if i is not None))
     try:
         return ModelConfig(
             vocab_size=vocab,
@@ -242,7 +242,7 @@ def _model_config(src: _Gguf, tensor_names: set[str]) -> ModelConfig:
             max_position_embeddings=src.scalar("llama.context_length", int, 2048),
             tie_word_embeddings="output.weight" not in tensor_names,
             bos_token_id=src.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (eos,),
+            eos_token_ids=eos_ids,
             pad_token_id=src.get("tokenizer.ggml.padding_token_id"),
             rope_scaling=_rope_scaling(src, tensor_names),
         )

@@ -1,21 +1,29 @@
 """Tokenizers: byte-level by default, the checkpoint's ``tokenizer.json`` when it has one.
 
 Byte level: UTF-8 bytes are ids 0..255, then bos 256, eos 257, pad 258 (the
-tiny checkpoint's vocabulary). Decoding tolerates token sequences that end
-(or are cut) inside a multi-byte character: :class:`StreamDecoder` holds the
-partial character back until it completes.
+tiny checkpoint's vocabulary). A ``tokenizer.json`` comes with the
+``tokenizer_config.json`` beside it: whether encoding adds bos
+(``add_bos_token``; without it, what the tokenizer's own post-processor does,
+as in Hugging Face) and the chat template (:mod:`model_svc.chat_template`).
+
+Decoding tolerates token sequences that end (or are cut) inside a multi-byte
+character: :class:`StreamDecoder` holds the partial character back until it
+completes.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
+from model_svc.chat_template import ChatTemplate, template_source
 from model_svc.config import ModelConfig
 from model_svc.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _REPLACEMENT = "\ufffd"
 
 
@@ -24,8 +32,10 @@ class Tokenizer(Protocol):
     bos_id: int | None
     eos_ids: tuple[int, ...]
     pad_id: int | None
+    add_bos: bool  # what encode does when not told
+    chat_template: ChatTemplate | None
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int], *, skip_special: bool = True) -> str: ...
 
@@ -37,9 +47,12 @@ class ByteTokenizer:
     bos_id: int | None = 256
     eos_ids: tuple[int, ...] = (257,)
     pad_id: int | None = 258
+    add_bos = True
+    chat_template: ChatTemplate | None = None
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         ids = list(text.encode("utf-8"))
+        add_bos = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special: bool = True) -> str:
@@ -84,15 +97,50 @@ class HFTokenizer:
         self.bos_id = config.bos_token_id
         self.eos_ids = config.eos_token_ids
         self.pad_id = config.pad_token_id
+        settings = _tokenizer_config(path.with_name(TOKENIZER_CONFIG_FILE))
+        self.add_bos = self._adds_bos(settings)
+        source = template_source(settings)
+        self.chat_template = None if source is None else ChatTemplate(source, self._specials())
 
-    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+    def _adds_bos(self, settings: dict[str, Any]) -> bool:
+        """``add_bos_token`` if the config says, else whether the post-processor adds bos."""
+        if "add_bos_token" in settings:
+            return bool(settings["add_bos_token"])
+        probe = self._tokenizer.encode("", add_special_tokens=True).ids
+        return self.bos_id is not None and probe[:1] == [self.bos_id]
+
+    def _specials(self) -> dict[str, str | None]:
+        def token(token_id: int | None) -> str | None:
+            return None if token_id is None else self._tokenizer.id_to_token(token_id)
+
+        eos = self.eos_ids[0] if self.eos_ids else None
+        return {
+            "bos_token": token(self.bos_id),
+            "eos_token": token(eos),
+            "pad_token": token(self.pad_id),
+        }
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         # Specials are added here, not by the tokenizer's post-processor, so
         # add_bos means the same thing for every tokenizer.
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        add_bos = self.add_bos if add_bos is None else add_bos
         return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special)
+
+
+def _tokenizer_config(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object")
+    return data
 
 
 def load_tokenizer(checkpoint: str | Path, config: ModelConfig) -> Tokenizer:

