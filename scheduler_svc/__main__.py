@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["remaining", "full"],
         default="remaining",
         help="what re-admitting a retracted request reserves for its output: what it has "
-        "left to generate, or its whole max_new_tokens again (SGLang; can starve it)",
+        "left to generate, or its whole max_new_tokens again (SGLang); either way it is "
+        "admitted if what it has left fits",
     )
     parser.add_argument(
         "--num-reserved-decode-tokens",

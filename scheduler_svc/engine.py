@@ -157,6 +157,13 @@ class Engine:
     # -- prefill -----------------------------------------------------------------
 
     async def _prefill_round(self) -> bool:
+        """Admit (each admitted prefix stays locked), then allocate all of it, then extend.
+
+        Allocating only after the admission loop, as SGLang does, means an
+        admitted request's allocation can never evict the prefix that a later
+        candidate of the same round would have hit: that prefix is locked by
+        then. (A request resumed from the host store loads at once, in the loop.)
+        """
         if not self.waiting and self.chunked is None:
             return False
         if len(self.running) >= self.config.max_running_requests and self.chunked is None:
@@ -165,59 +172,23 @@ class Engine:
             # Sizes come with every memsvc reply; with no decode traffic they may be
             # stale (another session may have freed pages): ask for fresh ones.
             await self.mem.heartbeat()
-        sizes = self.mem.sizes
         adder = PrefillAdder(
             self.config,
-            max(sizes.available + sizes.evictable, 0),
+            max(self.mem.sizes.available + self.mem.sizes.evictable, 0),
             self.running,
             self.ratio.current,
             len(self.running),
             self.chunked,
         )
-        batch: list[Req] = []
-        if self.chunked is not None:
-            req = self.chunked
-            decision = adder.add_chunked_req(req)
-            if not await self._alloc(req.rid, decision.extend_len):
-                return False  # its KV stays; the chunk is tried again next round
-            req.continue_prefill(decision.extend_len)
-            batch.append(req)
-            self.chunked = req if adder.new_chunked_req is req else None
-        while self.waiting and adder.could_admit(self.waiting[0]):
-            req = self.waiting[0]
-            if req.host_copy:
-                if not await self._resume_from_host(req, adder):
-                    break
-                self.waiting.popleft()
-                continue
-            try:
-                row = await self.mem.alloc_row(req.rid)
-            except OutOfRowsError:
-                break
-            fill_ids = req.fill_ids
-            prefix_len = await self.mem.match_prefix(req.rid, fill_ids[:-1])
-            decision = adder.add_one_req(req, prefix_len)
-            if not decision.admitted:
-                await self.mem.free_row(req.rid)
-                break
-            if not await self._alloc(req.rid, decision.extend_len):
-                # The pool moved since the budget was taken: undo this one, stop here.
-                await self.mem.free_row(req.rid)
-                break
-            if req.retracted_stain:
-                self.cost.observe_readmit(len(req.origin_input_ids), prefix_len)
-            req.start_prefill(row, prefix_len, decision.extend_len)
-            self._mark_readmitted(req)
-            self.waiting.popleft()
-            batch.append(req)
-            if adder.new_chunked_req is req:
-                self.chunked = req
-            if decision.result is not AddResult.CONTINUE:
-                break
+        chunk_len = 0 if self.chunked is None else adder.add_chunked_req(self.chunked).extend_len
+        started, num_resumed = await self._admit_waiting(adder)
+        batch = await self._allocate(chunk_len, started)
         if not batch:
             # Resumed from the host store: nothing to compute. An admission whose
-            # allocation then failed was undone above: no progress (else this spins).
-            return any(a.req in self.running for a in adder.admitted)
+            # allocation then failed was undone: no progress (else this spins).
+            return num_resumed > 0
+        if adder.new_chunked_req in batch:
+            self.chunked = adder.new_chunked_req
         log.debug(
             "prefill %d reqs (%d tokens); running %d, waiting %d, ratio %.3f, budget %s",
             len(batch),
@@ -229,6 +200,77 @@ class Engine:
         )
         await self._run_extend(batch)
         return True
+
+    async def _admit_waiting(self, adder: PrefillAdder) -> tuple[list[Req], int]:
+        """Admit from the head of the queue; returns (started, number resumed from host).
+
+        A started request is PREFILLING with its row and locked prefix, its
+        KV not allocated yet. Its prefix match locked that prefix in memsvc:
+        what the lock took from the evictable size (the reply says) leaves
+        the budget before the candidate is judged. A candidate not admitted
+        is unlocked again (its row freed) and ends the round.
+        """
+        started: list[Req] = []
+        num_resumed = 0
+        while self.waiting and adder.could_admit(self.waiting[0]):
+            req = self.waiting[0]
+            if req.host_copy:
+                if not await self._resume_from_host(req, adder):
+                    break
+                self.waiting.popleft()
+                num_resumed += 1
+                continue
+            try:
+                row = await self.mem.alloc_row(req.rid)
+            except OutOfRowsError:
+                break
+            evictable = self.mem.sizes.evictable
+            prefix_len = await self.mem.match_prefix(req.rid, req.fill_ids[:-1])
+            pinned = evictable - self.mem.sizes.evictable
+            adder.lock_prefix(min(max(pinned, 0), prefix_len, adder.available_tokens))
+            decision = adder.add_one_req(req, prefix_len)
+            if not decision.admitted:
+                await self.mem.free_row(req.rid)
+                break
+            req.start_prefill(row, prefix_len, decision.extend_len)
+            self.waiting.popleft()
+            started.append(req)
+            if decision.result is not AddResult.CONTINUE:
+                break
+        return started, num_resumed
+
+    async def _allocate(self, chunk_len: int, started: list[Req]) -> list[Req]:
+        """Allocate this round's extends in one call; returns the batch to run.
+
+        The budget makes this fit unless the pool moved since it was read
+        (another session took pages) or the in-progress chunk (admitted
+        whatever the budget) does not fit: then admissions are undone from
+        the last one until the rest fits; the chunk, first, goes last and is
+        tried again next round.
+        """
+        chunked = self.chunked
+        started = list(started)
+        while started or chunked is not None:
+            items = [(r.rid, r.extend_len) for r in started]
+            if chunked is not None:
+                items.insert(0, (chunked.rid, chunk_len))
+            if (await self.mem.alloc_extend(items)).fits:
+                break
+            if not started:
+                return []
+            req = started.pop()
+            await self.mem.free_row(req.rid)
+            req.unschedule()
+            self.waiting.appendleft(req)
+        for req in started:
+            if req.retracted_stain:
+                self.cost.observe_readmit(len(req.origin_input_ids), req.prefix_len)
+            self._mark_readmitted(req)
+        if chunked is None:
+            return started
+        chunked.continue_prefill(chunk_len)
+        self.chunked = None  # until the adder says it is (still) chunked
+        return [chunked, *started]
 
     async def _resume_from_host(self, req: Req, adder: PrefillAdder) -> bool:
         """Re-admit a request whose KV is in the host store: load it back, no prefill."""
@@ -258,9 +300,6 @@ class Engine:
         """A retracted request is back: the thrash guard's cooldown starts now."""
         if req.retracted_stain:
             req.readmit_step = self.stats.forward_passes
-
-    async def _alloc(self, rid: str, num_tokens: int) -> bool:
-        return (await self.mem.alloc_extend([(rid, num_tokens)])).fits
 
     async def _run_extend(self, batch: list[Req]) -> None:
         items = [

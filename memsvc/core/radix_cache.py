@@ -299,17 +299,21 @@ class RadixCache:
 
     def _descend(self, key: np.ndarray) -> tuple[TreeNode, int, list[np.ndarray]]:
         """Walk ``key`` as far as it matches, refreshing access times and splitting the
-        last node if the match ends inside it; return (node, matched_len, path values)."""
+        last node if the match ends inside it; return (node, matched_len, path values).
+
+        Every node visited is stamped before it is split (as SGLang does), so
+        both halves of a split are fresh: the lower half was touched too.
+        """
         self._clock += 1
         node, matched_len, values = self.root, 0, []
         while matched_len < len(key):
             child = node.children.get(self._page_key(key, matched_len))
             if child is None:
                 break
+            child.last_access_time = self._clock
             common = _common_len(child.key, key[matched_len:], self.page_size)
             if common < len(child.key):
                 child = self._split(child, common)
-            child.last_access_time = self._clock
             values.append(child.value)
             matched_len += common
             node = child

@@ -2,26 +2,38 @@
 
 Build a fresh adder each scheduling round. Budgets, in tokens::
 
-    A = available + evictable                     (from memsvc, at the start of the round)
+    A = available + evictable       (memsvc's at the start of the round, less what
+                                     each candidate's prefix lock pins)
     remaining_total   = A − Σ running reservations − Σ admitted charges
                         "can everything running and admitted still finish?"
     remaining_current = A − Σ admitted prefill charges
                         "does this round's prefill itself fit right now?"
 
     running reservation = min(max_new − generated, clip) × ratio   (ratio 1.0 under ignore_eos)
-    admitted charge     = ceil_page(extend) + page_size + min(max_new, clip)  (to total)
-                        = ceil_page(extend) + page_size                       (to current)
+    admitted charge     = ceil_page(extend) + page_size + reserved output  (to total)
+                        = ceil_page(extend) + page_size                    (to current)
+    reserved output     = min(max_new − generated, clip)    (readmit_charge="remaining")
+                        = min(max_new, clip)                (readmit_charge="full", SGLang)
+
+A follows the locks as in SGLang, which reads it live: matching a
+candidate's prefix locks it, and the tokens the lock pins are no longer
+evictable, so the engine reports them to :meth:`PrefillAdder.lock_prefix`
+before :meth:`~PrefillAdder.add_one_req`. Nothing else changes A during a
+round: allocation happens after the loop, and a load from the host store
+during it is charged like an admission, not taken from A.
 
 The extra page per admitted request covers paged-allocation rounding
 (SGLang 0.5.23) and is what makes the intake clamp of ``policy.py`` agree
 with admission: a request clamped there always fits an empty pool. A chunk
-that is not the last reserves no output.
+that is not the last reserves no output. ``generated`` is 0 except for a
+retracted request being re-admitted.
 
-A request is admitted only if its whole charge is strictly below
-``remaining_total``, so admissions never overdraw the budget. (SGLang checks
-``extend + max_new`` against it and then charges ``ceil_page(extend)``, which
-can overdraw by up to a page; here the check and the charge are one number.)
-Only the in-progress chunk is always admitted, since it already holds KV.
+A request is admitted only if ``ceil_page(extend) + page_size + min(max_new −
+generated, clip)`` is strictly below ``remaining_total``; by default that is
+also its charge, so admissions never overdraw the budget. (SGLang checks with
+the unrounded ``extend``, which can overdraw by up to a page: a difference
+kept on purpose, see docs/sglang-differences.md.) Only the in-progress chunk
+is always admitted, since it already holds KV.
 """
 
 from __future__ import annotations
@@ -149,6 +161,19 @@ class PrefillAdder:
             return AddResult.OTHER
         return AddResult.CONTINUE
 
+    def lock_prefix(self, num_pinned_tokens: int) -> None:
+        """A candidate's prefix match locked its prefix: what was evictable of it leaves A.
+
+        ``num_pinned_tokens`` is how much memsvc's evictable size fell with
+        the lock (0 when the prefix was already locked by running requests).
+        SGLang reads available + evictable live, after that lock.
+        """
+        if not 0 <= num_pinned_tokens <= self.available_tokens:
+            raise ValueError(
+                f"cannot pin {num_pinned_tokens} of {self.available_tokens} available tokens"
+            )
+        self.available_tokens -= num_pinned_tokens
+
     def charge(self, extend_len: int, max_new_tokens: int) -> int:
         """What admitting ``extend_len`` tokens reserving ``max_new_tokens`` adds to the total."""
         return ceil_page(extend_len, self.page_size) + self.page_size + max_new_tokens
@@ -164,19 +189,24 @@ class PrefillAdder:
         if self.num_free_request_slots <= 0 or self.budget_state() is not AddResult.CONTINUE:
             return False
         best_prefix = floor_page(req.seq_len - 1, self.page_size)
-        charge = self.charge(req.seq_len - best_prefix, self.clipped_max_new(req))
+        charge = self.charge(req.seq_len - best_prefix, self.remaining_max_new(req))
         return charge < self.remaining_total_tokens
 
-    def clipped_max_new(self, req: Req) -> int:
-        # What the request may still generate. For a new request that is its
-        # max_new_tokens (as in SGLang); a retracted one has already produced
-        # len(output_ids) of them, and charging the full amount again could make
-        # a long request inadmissible even into an empty pool (starved forever).
-        # ``readmit_charge="full"`` is SGLang's charge, kept to show what it does.
-        remaining = req.sampling_params.max_new_tokens
-        if self.config.readmit_charge == "remaining":
-            remaining -= len(req.output_ids)
+    def remaining_max_new(self, req: Req) -> int:
+        """What ``req`` may still generate, clipped: what admission checks for its output."""
+        remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
         return min(max(remaining, 0), self.config.clip_max_new_tokens)
+
+    def reserved_max_new(self, req: Req) -> int:
+        """What admitting ``req`` whole reserves for its output.
+
+        The same as :meth:`remaining_max_new` by default. SGLang reserves the
+        whole ``min(max_new_tokens, clip)`` even for a retracted request that
+        has already generated part of it (``readmit_charge="full"``).
+        """
+        if self.config.readmit_charge == "full":
+            return min(req.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
+        return self.remaining_max_new(req)
 
     def _chunk_len(self, prefix_len: int, limit: int) -> int:
         # Whole pages, and the chunk must end on a page boundary of the sequence.
@@ -210,13 +240,12 @@ class PrefillAdder:
         that fits, else nothing changes.
         """
         kv_len = req.seq_len - 1
-        max_new = self.clipped_max_new(req)
         if self.num_free_request_slots <= 0 or self.budget_state() is not AddResult.CONTINUE:
             return False
-        if self.charge(kv_len, max_new) >= self.remaining_total_tokens:
+        if self.charge(kv_len, self.remaining_max_new(req)) >= self.remaining_total_tokens:
             return False
         paged = ceil_page(kv_len, self.page_size)
-        self.admitted_offset += paged + self.page_size + max_new
+        self.admitted_offset += paged + self.page_size + self.reserved_max_new(req)
         self.current_offset += paged + self.page_size
         self.admitted.append(Admission(req, kv_len, 0))
         return True
@@ -225,8 +254,11 @@ class PrefillAdder:
         """Admit the next chunk of the in-progress chunked prefill. Always admitted.
 
         Its KV so far is held by the request, so skipping it would strand it.
-        The chunk is limited by the chunk budget and, if positive, the total
-        budget; it reserves the request's output only when it is the last.
+        As in SGLang, the chunk is the rest of the prompt cut to
+        ``min(rem_chunk_tokens, int(remaining_total))``, or to the chunk budget
+        alone when that minimum is not positive; it is not cut to whole pages,
+        so it may end inside one. It reserves the request's output only when
+        it is the last.
         """
         if req is not self.chunked_req or self._chunked_added or self.admitted:
             raise ValueError("add_chunked_req: pass the adder's chunked_req, once, before others")
@@ -242,14 +274,9 @@ class PrefillAdder:
         limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))
         if limit <= 0:  # the total budget is gone: the chunk budget alone decides
             limit = self.rem_chunk_tokens
-        extend_len = full_len
-        if full_len > limit:
-            chunk_len = self._chunk_len(prefix_len, limit)
-            if chunk_len <= 0:  # less than a page of total budget left: likewise
-                chunk_len = self._chunk_len(prefix_len, self.rem_chunk_tokens)
-            extend_len = min(full_len, chunk_len)
+        extend_len = min(full_len, limit)
         is_last = extend_len == full_len
-        self._reserve(req, prefix_len, extend_len, self.clipped_max_new(req) if is_last else 0)
+        self._reserve(req, prefix_len, extend_len, self.reserved_max_new(req) if is_last else 0)
         self._log_tokens(req, 0, extend_len)  # its hit was logged with the first chunk
         if not is_last:
             self.new_chunked_req = req
@@ -258,12 +285,14 @@ class PrefillAdder:
     def add_one_req(self, req: Req, prefix_len: int) -> AddDecision:
         """Try to admit a waiting request whose first ``prefix_len`` tokens hit the cache.
 
+        Call :meth:`lock_prefix` first if matching the prefix pinned tokens.
         In order: OTHER if ``max_running_requests`` is reached; the budget
         state if it is no longer CONTINUE; NO_TOKEN if the whole request's
-        charge is not strictly below ``remaining_total``; OTHER if (chunking
-        off) the prompt would reach the prefill-token cap and is not the
-        first admitted. Otherwise it is admitted whole or, with chunking, as a
-        page-aligned chunk that fills the chunk budget.
+        check (see the module docstring) is not strictly below
+        ``remaining_total``; OTHER if (chunking off) the prompt would reach
+        the prefill-token cap and is not the first admitted. Otherwise it is
+        admitted whole or, with chunking, as a page-aligned chunk that fills
+        the chunk budget.
         """
         if self.chunked_req is not None and not self._chunked_added:
             raise ValueError("add_one_req: add the chunked request first")
@@ -277,8 +306,7 @@ class PrefillAdder:
         state = self.budget_state()
         if state is not AddResult.CONTINUE:
             return AddDecision(state, 0)
-        max_new = self.clipped_max_new(req)
-        if self.charge(extend_len, max_new) >= self.remaining_total_tokens:
+        if self.charge(extend_len, self.remaining_max_new(req)) >= self.remaining_total_tokens:
             return AddDecision(AddResult.NO_TOKEN, 0)
         input_tokens = ceil_page(extend_len, self.page_size)
         if self.rem_chunk_tokens is None:
@@ -292,7 +320,7 @@ class PrefillAdder:
             self._log_tokens(req, prefix_len, chunk_len)
             self.new_chunked_req = req
             return AddDecision(self.budget_state(), chunk_len)
-        self._reserve(req, prefix_len, extend_len, max_new)
+        self._reserve(req, prefix_len, extend_len, self.reserved_max_new(req))
         self._log_tokens(req, prefix_len, extend_len)
         return AddDecision(self.budget_state(), extend_len)
 

@@ -24,8 +24,9 @@ RETRACT_MODES: tuple[str, ...] = ("recompute", "offload", "auto")
 # PD decode: a victim the host store cannot take is aborted (SGLang) or re-prefilled
 # through the prefill node.
 PD_RETRACT_FALLBACKS: tuple[str, ...] = ("abort", "recompute")
-# What re-admitting a retracted request charges for its output: what it has left to
-# generate (kvstack) or its whole max_new_tokens again (SGLang, which can starve it).
+# What re-admitting a retracted request reserves for its output: what it has left to
+# generate (kvstack) or its whole max_new_tokens again (SGLang). Admission checks what it
+# has left to generate either way (as SGLang does).
 READMIT_CHARGES: tuple[str, ...] = ("remaining", "full")
 
 

@@ -7,6 +7,7 @@
        │                        └──┘                                 ▼
        │       RETRACTED ──start_prefill (re-prefill origin + output)──► PREFILLING
        │       RETRACTED ──resume (KV loaded back from the host store)─► RUNNING
+       │       PREFILLING ──unschedule (admitted, but got no KV)──► WAITING | RETRACTED
        ├── commit_transfer (PD decode: the prompt's KV arrived) ──────► RUNNING
        └── abort ──► ABORTED        PREFILLING | RUNNING ──check_finished──► FINISHED
 
@@ -47,7 +48,10 @@ _S = ReqState
 TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
     _S.WAITING: frozenset({_S.PREFILLING, _S.RUNNING, _S.ABORTED}),
     # PREFILLING -> RETRACTED: pause-retract takes the in-progress chunk too.
-    _S.PREFILLING: frozenset({_S.PREFILLING, _S.RUNNING, _S.RETRACTED, _S.FINISHED, _S.ABORTED}),
+    # PREFILLING -> WAITING | RETRACTED: unschedule, before any KV was allocated.
+    _S.PREFILLING: frozenset(
+        {_S.WAITING, _S.PREFILLING, _S.RUNNING, _S.RETRACTED, _S.FINISHED, _S.ABORTED}
+    ),
     _S.RUNNING: frozenset({_S.RETRACTED, _S.FINISHED, _S.ABORTED}),
     _S.RETRACTED: frozenset({_S.PREFILLING, _S.RUNNING, _S.ABORTED}),
     _S.FINISHED: frozenset(),
@@ -209,6 +213,27 @@ class Req:
         self._begin_round(prefix_len, extend_len)
         if self.first_scheduled_time is None:
             self.first_scheduled_time = time.monotonic()
+
+    def unschedule(self) -> None:
+        """Undo :meth:`start_prefill`: the pool had no room for its round after all.
+
+        Only for the round ``start_prefill`` began, before its forward pass
+        (a later chunk's earlier chunks hold KV: that is a retract). Back to
+        WAITING, or RETRACTED for a retracted request, with the row and the
+        round forgotten and the cache hit ``start_prefill`` counted taken back.
+        """
+        target = ReqState.RETRACTED if self.retracted_stain else ReqState.WAITING
+        self._require(
+            self.state is ReqState.PREFILLING and self.extend_in_flight,
+            target,
+            "no prefill round in flight",
+        )
+        self._move(target)
+        if not self.retracted_stain:
+            self.cached_tokens -= self.prefix_len
+        self.row = None
+        self.prefix_len = self.extend_len = self.kv_len = self.already_computed = 0
+        self.is_chunked = self.extend_in_flight = False
 
     def continue_prefill(self, extend_len: int) -> None:
         """Schedule the next chunk of a chunked prefill, right after the last one."""

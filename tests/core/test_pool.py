@@ -346,3 +346,55 @@ def test_retract_evicts_remaining_times_decode_steps_after_each_release(make_poo
     for rid in ("a", "b"):
         pool.release(rid, is_insert=False)
     pool.check_integrity(idle=True)
+
+
+# -- where kvstack keeps a difference from SGLang on purpose (docs/sglang-differences.md) --
+
+
+def test_allocation_evicts_only_the_pages_it_takes(make_pool) -> None:
+    """SGLang's decode allocation evicts room for batch × page_size and its extend for
+    extend + batch × page_size; memsvc knows the exact page count first and evicts only
+    the shortfall of that (the same fit, more of the cache kept)."""
+    pool = make_pool(small_layout(page_size=4, num_pages=13))
+    fill_tree_with_one_page_leaves(pool, 8)
+    pool.open_request("x")
+    pool.alloc_extend([("x", 12)])  # at a page boundary: its next token opens a page
+    pool.open_request("y")
+    pool.alloc_extend([("y", 5)])  # inside a page
+    assert pool.available_size() == 0 and pool.evictable_size() == 32
+    assert pool.alloc_decode(["x", "y"]) is not None
+    assert pool.evictable_size() == 28  # one page, not 2 × 4 tokens
+    assert pool.alloc_extend([("y", 3)]) is not None  # 6 -> 9 tokens: one new page
+    assert pool.evictable_size() == 24  # not 3 + 2 × 4 tokens' worth
+    pool.release("x", is_insert=False)
+    pool.release("y", is_insert=False)
+    pool.check_integrity(idle=True)
+
+
+def test_publish_splits_at_the_prompt_only_where_the_prompt_was_published(make_pool) -> None:
+    """SGLang 0.5.23 splits a published key at the prompt boundary. kvstack publishes the
+    prompt as soon as its prefill completes, so that boundary already exists for a
+    request's first attempt (its output leaf is evicted before its prompt); a retracted
+    request re-prefilled from nothing publishes prompt and output as one node."""
+    pool = make_pool(small_layout(page_size=4, num_pages=16))
+    prompt = np.arange(100, 108)
+    pool.open_request("a")
+    pool.match_prefix("a", prompt[:-1])
+    pool.alloc_extend([("a", prompt.size)])
+    pool.cache_unfinished("a", prompt)
+    output = np.arange(500, 505)
+    for _ in output:
+        pool.alloc_decode(["a"])
+    pool.release("a", np.concatenate([prompt, output]), is_insert=True)
+    assert pool.evict(1) == 4  # the output's page went; the prompt is still cached
+    assert pool.tree.match_prefix(prompt).slots.size == 8
+    assert pool.evict(pool.capacity) == 8
+
+    fill = np.concatenate([prompt, output])  # a cold re-prefill of prompt + output
+    pool.open_request("b")
+    pool.match_prefix("b", fill[:-1])
+    pool.alloc_extend([("b", fill.size)])
+    pool.cache_unfinished("b", fill)
+    pool.release("b", is_insert=False)
+    assert pool.evict(1) == 12  # one node: the prompt goes with the output
+    pool.check_integrity(idle=True)

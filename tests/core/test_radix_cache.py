@@ -321,6 +321,28 @@ def test_evict_never_frees_locked_nodes(ps: int) -> None:
     assert_integrity(cache, idle=True)
 
 
+def test_split_stamps_both_halves_as_just_used() -> None:
+    """Issue 19, item 1 (SGLang's reproducer at page size 1, 78 pages).
+
+    A match that ends inside a node visits that node: SGLang stamps it before
+    splitting, so the lower half it keeps is as fresh as the upper one. Here
+    the stale lower half [681, 748] used to go first, then [10, 440, 524, 538]:
+    6 tokens evicted where SGLang evicts only the older 4-token leaf.
+    """
+    cache = make_cache(1, num_pages=78)
+    served = {}
+    for prompt in ([742, 681, 748], [10, 440, 524, 538], [742]):
+        req = start_request(cache, np.array(prompt))
+        cache.cache_finished_req(
+            req.tokens, req.kv_slots, req.protected_len, req.last_node, is_insert=True
+        )
+        served[tuple(prompt)] = req.kv_slots
+    assert cache.evict(4) == 4
+    assert not pages_in_use(cache, served[(10, 440, 524, 538)])
+    assert pages_in_use(cache, served[(742, 681, 748)])
+    assert_integrity(cache, idle=True)
+
+
 def test_evict_zero_and_negative(ps: int) -> None:
     cache = make_cache(ps)
     cache.insert(toks(ps, [0]), take(cache.allocator, ps))

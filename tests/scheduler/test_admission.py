@@ -52,9 +52,10 @@ def test_max_new_tokens_is_clipped():
 
 
 def test_retracted_request_charges_only_its_remaining_output():
-    """Deliberately unlike SGLang (which charges max_new_tokens again): a retracted
-    request that already generated most of its output would otherwise need more
-    than the whole pool and starve in the queue."""
+    """Deliberately unlike SGLang, which checks with the remaining output but then
+    reserves the whole max_new_tokens again (``readmit_charge="full"``): the generated
+    tokens are recomputed as input, so reserving them as output too counts them twice
+    (see docs/sglang-differences.md)."""
     req = make_req("back", input_len=8, output_len=6, max_new_tokens=20)
     req.start_prefill(row=1, prefix_len=0, extend_len=14)
     req.reset_for_retract()
@@ -246,9 +247,9 @@ def test_in_progress_chunk_middle_then_last():
     ("available", "expected_len"),
     [
         (1000, 16),  # the chunk budget binds
-        (10, 8),  # the total budget binds, floored to pages
-        (3, 16),  # under a page of total budget: the chunk budget alone decides
-        (0, 16),  # no budget at all: still admitted, it already holds KV
+        (10, 10),  # the total budget binds, not floored to pages (SGLang)
+        (3, 3),  # even under a page of it
+        (0, 16),  # no budget at all: the chunk budget alone decides; it already holds KV
     ],
 )
 def test_in_progress_chunk_is_always_admitted(available, expected_len):
@@ -256,7 +257,7 @@ def test_in_progress_chunk_is_always_admitted(available, expected_len):
     adder = PrefillAdder(config(chunked_prefill_size=16), available, chunked_req=req)
     d = adder.add_chunked_req(req)
     assert d.extend_len == expected_len
-    assert adder.remaining_total_tokens == available - (expected_len + 4)
+    assert adder.remaining_total_tokens == available - (ceil_page(expected_len, 4) + 4)
 
 
 def test_in_progress_last_chunk_with_no_total_budget_is_not_floored():
@@ -415,3 +416,91 @@ def test_could_admit_is_a_safe_upper_bound():
             adder = PrefillAdder(config(), available_tokens=available)
             if adder.could_admit(req):
                 assert adder.add_one_req(req, best_prefix).admitted
+
+
+# -- agreement with SGLang 0.5.23 (issue 19) ---------------------------------------------
+
+
+def test_budget_follows_prefix_locks():
+    """Item 2: SGLang re-reads available + evictable after locking a candidate's prefix,
+    so the tokens the lock pins leave the budget (page 16, 28 pages: the tree holds 16
+    tokens, a 17-token request shares them; 224 left, not 240)."""
+    capacity = 28 * 16
+    adder = PrefillAdder(config(page_size=16), available_tokens=capacity)
+    req = make_req(input_len=17, max_new_tokens=176)
+    adder.lock_prefix(16)  # matching it locked its 16-token prefix
+    assert adder.add_one_req(req, prefix_len=16) == AddDecision(CONTINUE, 1)
+    assert_budget(adder, total=224, current=capacity - 16 - 32)
+
+
+def test_pinned_tokens_leave_both_budgets_and_charges_stay():
+    adder = PrefillAdder(config(), available_tokens=1000)
+    adder.add_one_req(make_req("a", input_len=10, max_new_tokens=100), 0)
+    adder.lock_prefix(0)  # a prefix running requests had locked already
+    adder.lock_prefix(100)
+    assert_budget(adder, total=900 - 116, current=900 - 16)
+    for bad in (-1, 901):
+        with pytest.raises(ValueError, match="cannot pin"):
+            adder.lock_prefix(bad)
+
+
+def test_chunk_continuation_under_a_page_of_budget_stays_chunked():
+    """Item 3: with about 8 tokens of total budget left, a 57-token prompt with 48 done
+    extends 8 and stays chunked, as in SGLang (it used to take all 9 and reserve its
+    whole output)."""
+    running = [
+        running_req("a", input_len=16, output_len=1, max_new_tokens=110),  # 109 left
+        running_req("b", input_len=16, output_len=1, max_new_tokens=109),  # 108 left
+    ]
+    req = chunked(57, done=48, max_new_tokens=4096)
+    cfg = config(page_size=16, chunked_prefill_size=64)
+    adder = PrefillAdder(cfg, 160, running, new_token_ratio=0.7, chunked_req=req)
+    budget = adder.remaining_total_tokens
+    assert 8 < budget < 9
+    d = adder.add_chunked_req(req)
+    assert d == AddDecision(NO_TOKEN, 8)
+    assert adder.new_chunked_req is req
+    assert adder.remaining_total_tokens == pytest.approx(budget - (16 + 16))  # no output
+
+
+def test_chunk_continuation_is_not_floored_to_a_page():
+    """Item 3: page 16, chunk 16, an 86-token prompt with 69 done extends 16 (to 85),
+    as in SGLang; it used to stop at the page boundary 80 (11 tokens)."""
+    req = chunked(86, done=69)
+    adder = PrefillAdder(config(page_size=16, chunked_prefill_size=16), 10_000, chunked_req=req)
+    assert adder.add_chunked_req(req) == AddDecision(OTHER, 16)
+    assert adder.new_chunked_req is req
+
+
+def readmitted(input_len: int, output_len: int, max_new_tokens: int):
+    req = make_req(
+        "back", input_len=input_len, output_len=output_len, max_new_tokens=max_new_tokens
+    )
+    req.start_prefill(row=1, prefix_len=0, extend_len=input_len + output_len)
+    req.reset_for_retract()
+    return req
+
+
+def test_full_readmit_charge_checks_remaining_and_reserves_max_new():
+    """Item 5: SGLang admits a re-admitted request if its remaining output fits, then
+    reserves its whole min(max_new, clip): check 8 + 4 + 14 < 30, reserve 8 + 4 + 20."""
+    req = readmitted(input_len=8, output_len=6, max_new_tokens=20)
+    adder = PrefillAdder(config(readmit_charge="full"), available_tokens=30)
+    assert adder.add_one_req(req, prefix_len=8) == AddDecision(NO_TOKEN, 6)
+    assert adder.remaining_total_tokens == 30 - (8 + 4 + 20)
+
+
+def test_full_readmit_charge_on_a_last_chunk_and_a_host_resume():
+    req = readmitted(input_len=40, output_len=6, max_new_tokens=20)
+    req.start_prefill(row=1, prefix_len=0, extend_len=32)
+    req.complete_extend()
+    adder = PrefillAdder(
+        config(readmit_charge="full", chunked_prefill_size=16), 1000, chunked_req=req
+    )
+    assert adder.add_chunked_req(req) == AddDecision(OTHER, 14)  # the last chunk
+    assert adder.remaining_total_tokens == 1000 - (16 + 4 + 20)
+
+    host = readmitted(input_len=8, output_len=6, max_new_tokens=20)  # 13 tokens of KV back
+    adder = PrefillAdder(config(readmit_charge="full"), available_tokens=36)
+    assert adder.add_resumed_req(host)  # check 16 + 4 + 14 < 36
+    assert adder.remaining_total_tokens == 36 - (16 + 4 + 20)

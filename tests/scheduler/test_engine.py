@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import pytest
 
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
+from scheduler_svc import engine as engine_module
 from scheduler_svc.core import (
     RETRACT_ABORT_MESSAGE,
+    PrefillAdder,
     Req,
     ReqState,
     SamplingParams,
@@ -38,7 +41,8 @@ def service() -> Iterator[MemService]:
 class Harness:
     def __init__(self, service: MemService, **config) -> None:
         self.service = service
-        self.config = SchedulerConfig(page_size=PAGE, max_running_requests=16, **config)
+        fields = dict(page_size=service.pool.page_size, max_running_requests=16)
+        self.config = SchedulerConfig(**{**fields, **config})
         self.done: dict[str, Req] = {}
         self.emitted: dict[str, int] = {}
 
@@ -273,11 +277,11 @@ def test_aborting_a_request_parked_in_the_host_store_discards_its_copy(service) 
 
 @pytest.mark.parametrize("charge", ["full", "remaining"])
 def test_a_retracted_request_that_fits_only_alone_is_not_starved(service, charge) -> None:
-    """SGLang charges a re-admitted request its whole max_new_tokens again on top of the
-    output it already has: once its prefix is evicted, it can never be admitted, even into
-    an empty pool, and waits forever. kvstack charges only what is left to generate."""
+    """A retracted request whose whole max_new_tokens on top of the output it already
+    has would not fit the pool is still re-admitted, under either charge: admission
+    checks what it has left to generate (SGLang too); only the reservation differs."""
 
-    async def scenario() -> bool:
+    async def scenario() -> None:
         h = await Harness(
             service,
             readmit_charge=charge,
@@ -294,19 +298,135 @@ def test_a_retracted_request_that_fits_only_alone_is_not_starved(service, charge
         await h.engine._retract(kv_full=False)  # the low-priority one is the victim
         assert victim.state is ReqState.RETRACTED and keep.state is ReqState.RUNNING
         service.pool.evict(service.pool.capacity)  # pressure evicted its cached prefix
-        for _ in range(2000):
-            if not await h.engine.step() and h.engine.idle:
-                break
+        await h.run()
+        # 68 tokens + a page + 200 would be over the 256-token pool.
         assert h.done["keep"].output_ids == expected_output([1] * 8, 100)
-        finished = "victim" in h.done
-        if finished:
-            assert h.done["victim"].output_ids == expected_output([2] * 8, 200)
-            service.pool.check_integrity(idle=True)
-        else:
-            assert victim.state is ReqState.RETRACTED and not h.engine.running
-            pool = service.pool
-            assert pool.available_size() + pool.evictable_size() == pool.capacity
-        return finished
+        assert h.done["victim"].output_ids == expected_output([2] * 8, 200)
+        service.pool.check_integrity(idle=True)
 
-    # Full charge: 68 tokens + a page + 200 > the 256-token pool, so it starves.
-    assert run(scenario()) == (charge == "remaining")
+    run(scenario())
+
+
+# -- agreement with SGLang 0.5.23 (issue 19) ---------------------------------------------
+
+
+@contextlib.contextmanager
+def pool_service(page_size: int, num_pages: int) -> Iterator[MemService]:
+    layout = small_layout(
+        page_size=page_size, num_pages=num_pages, max_running_requests=16, max_context_len=512
+    )
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    try:
+        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
+    finally:
+        pool.close()
+
+
+def seed_tree(pool: KVPool, rid: str, tokens: list[int]) -> None:
+    """Leave ``tokens`` cached (evictable) in the tree, as a finished request would."""
+    pool.open_request(rid)
+    assert pool.alloc_extend([(rid, len(tokens))]) is not None
+    pool.release(rid, tokens, is_insert=True)
+
+
+def record_adders(monkeypatch: pytest.MonkeyPatch) -> list[PrefillAdder]:
+    """Every PrefillAdder the engine builds from now on, in order."""
+    made: list[PrefillAdder] = []
+
+    class Recording(PrefillAdder):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine_module, "PrefillAdder", Recording)
+    return made
+
+
+def test_admission_budget_leaves_out_the_prefix_it_locks(monkeypatch) -> None:
+    """Item 2 (page 16, 28 pages): the tree holds 16 tokens that a 17-token request shares.
+    Once its match locks them they are no longer evictable: 224 tokens of budget are left
+    after admitting it, as in SGLang, not 240."""
+    adders = record_adders(monkeypatch)
+    with pool_service(page_size=16, num_pages=28) as service:
+
+        async def scenario() -> None:
+            shared = list(range(1, 17))
+            seed_tree(service.pool, "seed", shared)
+            h = await Harness(service).start()
+            req = h.submit("r", [*shared, 99], 176)
+            await h.engine.step()
+            assert req.prefix_len == 16
+            assert adders[-1].remaining_total_tokens == 448 - 16 - (16 + 16 + 176)
+            await h.run()
+            assert h.done["r"].output_ids == expected_output([*shared, 99], 176)
+            service.pool.check_integrity(idle=True)
+
+        run(scenario())
+
+
+def test_admitted_requests_are_allocated_after_their_prefixes_are_locked() -> None:
+    """Item 4 (page 64, chunked): the in-progress chunk's pages must not come from evicting
+    the prefix the next request in the same round matches. SGLang allocates after the
+    admission loop, with that prefix locked: the request gets its 64-token hit, and the
+    newer cached prompt is evicted instead."""
+    with pool_service(page_size=64, num_pages=16) as service:
+
+        async def scenario() -> None:
+            pool = service.pool
+            h = await Harness(service, chunked_prefill_size=128).start()
+            long_prompt = list(range(1000, 1192))  # chunks of 128, then 64
+            h.submit("chunked", long_prompt, 8)
+            await h.engine.step()
+            assert h.engine.chunked is not None
+            shared = [7] * 64
+            seed_tree(pool, "shared", shared)  # older: the LRU victim
+            seed_tree(pool, "newer", list(range(2000, 2320)))
+            hog = await InProcessMem.connect(service, name="hog")
+            await hog.alloc_row("hog")
+            assert (await hog.alloc_extend([("hog", hog.sizes.available)])).fits
+            assert pool.available_size() == 0
+            req = h.submit("sharer", [*shared, *[8] * 10], 8)
+            await h.engine.step()  # the last chunk and the sharer, in one round
+            assert req.prefix_len == 64
+            await hog.free_row("hog")
+            await h.run()
+            assert h.done["chunked"].output_ids == expected_output(long_prompt, 8)
+            assert h.done["sharer"].output_ids == expected_output([*shared, *[8] * 10], 8)
+            pool.check_integrity(idle=True)
+
+        run(scenario())
+
+
+def test_admissions_that_get_no_pages_go_back_to_the_queue_as_they_were(service) -> None:
+    """Another session takes pages between the budget and the allocation after the
+    admission loop: the last admission is undone (row freed, back at the queue head,
+    not counted as a retraction) and the rest of the round runs."""
+
+    async def scenario() -> None:
+        h = await Harness(service).start()
+        a = h.submit("a", [1] * 8, 4)
+        b = h.submit("b", [2] * 8, 4)
+        hog = await InProcessMem.connect(service, name="hog")
+        await hog.alloc_row("hog")
+        match_prefix = h.engine.mem.match_prefix
+
+        async def match_then_hog(rid, token_ids):
+            prefix_len = await match_prefix(rid, token_ids)
+            if rid == "b":  # leave room for a's 2 pages only
+                assert (await hog.alloc_extend([("hog", hog.sizes.available - 8)])).fits
+            return prefix_len
+
+        h.engine.mem.match_prefix = match_then_hog
+        await h.engine.step()
+        h.engine.mem.match_prefix = match_prefix
+        assert a.state is ReqState.RUNNING
+        assert (b.state, b.row, b.retraction_count) == (ReqState.WAITING, None, 0)
+        assert h.engine.waiting[0] is b
+        service.pool.check_integrity()
+        await hog.free_row("hog")
+        await h.run()
+        assert h.done["a"].output_ids == expected_output([1] * 8, 4)
+        assert h.done["b"].output_ids == expected_output([2] * 8, 4)
+        service.pool.check_integrity(idle=True)
+
+    run(scenario())

@@ -136,7 +136,8 @@ def test_transition_table():
     S = ReqState
     expected = {
         S.WAITING: {S.PREFILLING, S.RUNNING, S.ABORTED},  # RUNNING: PD commit_transfer
-        S.PREFILLING: {S.PREFILLING, S.RUNNING, S.RETRACTED, S.FINISHED, S.ABORTED},
+        # WAITING / RETRACTED: unschedule, the pool had no room after all
+        S.PREFILLING: {S.WAITING, S.PREFILLING, S.RUNNING, S.RETRACTED, S.FINISHED, S.ABORTED},
         S.RUNNING: {S.RETRACTED, S.FINISHED, S.ABORTED},
         S.RETRACTED: {S.PREFILLING, S.RUNNING, S.ABORTED},
         S.FINISHED: set(),
@@ -144,6 +145,26 @@ def test_transition_table():
     }
     assert dict(TRANSITIONS) == expected
     assert [s for s in S if s >= S.FINISHED] == [S.FINISHED, S.ABORTED]
+
+
+def test_unschedule_puts_an_admitted_request_back_as_it_was():
+    req = make_req("r", input_len=8)
+    req.start_prefill(row=3, prefix_len=4, extend_len=4)
+    assert req.cached_tokens == 4
+    req.unschedule()
+    assert (req.state, req.row, req.cached_tokens) == (ReqState.WAITING, None, 0)
+    assert (req.prefix_len, req.extend_len, req.kv_len, req.already_computed) == (0, 0, 0, 0)
+    assert not (req.is_chunked or req.extend_in_flight)
+    req.start_prefill(row=3, prefix_len=4, extend_len=4)  # admitted again later
+    assert req.cached_tokens == 4
+
+    back = running_req("b", 8, 2, 10)
+    back.reset_for_retract()
+    back.start_prefill(row=2, prefix_len=8, extend_len=2)
+    back.unschedule()
+    assert (back.state, back.retraction_count, back.cached_tokens) == (ReqState.RETRACTED, 1, 0)
+    with pytest.raises(IllegalTransitionError):
+        back.unschedule()  # nothing in flight
 
 
 def test_reset_for_retract_fields():
