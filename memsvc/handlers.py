@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from memsvc import protocol as p
@@ -89,18 +88,20 @@ class MemService:
                 reply = self._pack_ok(op_id, *self._hello(msg, now))
             else:
                 session = self.sessions.touch(msg.session, now)
-                mutating = op in p.MUTATING_OPS
-                cached = self.sessions.cached_reply(session, op_id) if mutating else None
+                digest = p.message_digest(frames) if op in p.MUTATING_OPS else None
+                cached = None
+                if digest is not None:
+                    cached = self.sessions.cached_reply(session, op_id, digest)
                 if cached is not None:
                     self.metrics.retried_op()
                     return cached
                 reply = self._pack_ok(op_id, *self._handlers[op](session, msg))
-                if mutating:
-                    self.sessions.remember_reply(session, op_id, reply)
+                if digest is not None:
+                    self.sessions.remember_reply(session, op_id, digest, reply)
             self.metrics.op_done(op, "ok", time.perf_counter() - started)
             return reply
         except p.ProtocolError as exc:
-            op_id = op_id if op_id is not None else _best_effort_op_id(frames)
+            op_id = op_id if op_id is not None else p.best_effort_op_id(frames)
             return self._pack_error(op, op_id, exc.code, exc.message, started)
         except MemsvcError as exc:
             return self._pack_error(op, op_id, exc.code, str(exc), started)
@@ -369,13 +370,3 @@ class MemService:
     def _own_rooms(session: Session, agent: TransferAgent, rooms: list[int]) -> None:
         if any(r in agent.rooms and agent.rooms[r].owner != session.num for r in rooms):
             raise NotOwnerError("a room belongs to another session's request")
-
-
-def _best_effort_op_id(frames: list[bytes]) -> int | None:
-    """The op_id of a message that failed validation, if its header has a usable one."""
-    try:
-        header = msgpack.unpackb(frames[0], raw=False)
-    except Exception:  # garbage: no op_id to echo
-        return None
-    op_id = header.get("op_id") if isinstance(header, dict) else None
-    return op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None

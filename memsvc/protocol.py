@@ -16,6 +16,7 @@ the service epoch, then the array frames it names.
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import Annotated, Any, Literal, get_args
 
 import msgpack
@@ -312,6 +313,33 @@ def unpack(frames: list[bytes]) -> dict[str, Any]:
             raise ProtocolError("malformed", f"array {name!r} is not a whole number of int64")
         header[name] = np.frombuffer(frame, dtype=ARRAY_DTYPE)
     return header
+
+
+def best_effort_op_id(frames: list[bytes]) -> int | None:
+    """The op_id of a message that failed validation, if its header has a usable one.
+
+    Every error reply echoes it when it can be read, so that a client (which
+    matches replies by op_id) gets the error instead of waiting out its timeout.
+    """
+    try:
+        header = msgpack.unpackb(frames[0], raw=False)
+    except Exception:  # garbage (or no frame at all): no op_id to echo
+        return None
+    op_id = header.get("op_id") if isinstance(header, dict) else None
+    return op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None
+
+
+def message_digest(frames: list[bytes]) -> tuple[int, tuple[int, ...]]:
+    """A cheap fingerprint of a whole message (CRC-32 and frame lengths).
+
+    A retry resends the very same frames, so it has the same digest; it tells a
+    retry from another message sent under the same op_id by mistake. It is no
+    defence against a forger, who could only confuse its own session.
+    """
+    crc = 0
+    for frame in frames:
+        crc = zlib.crc32(frame, crc)
+    return crc, tuple(map(len, frames))
 
 
 def parse_request(frames: list[bytes], adapter: TypeAdapter[Any] = REQUEST_ADAPTER) -> Any:

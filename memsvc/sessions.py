@@ -5,7 +5,8 @@ renews the lease. A session that stays silent past its lease is expired and
 the service reclaims everything it held. Each request id belongs to the
 session that opened it, for as long as the request holds a row or a
 host-store entry. Replies to mutating ops are remembered per session by
-``op_id`` (a bounded window), so a retried op is answered, not redone.
+``op_id`` (a bounded window), so a retried op is answered, not redone; an op_id
+reused for a different message is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class NotOwnerError(MemsvcError):
     code = "not_owner"
 
 
+class OpIdReusedError(MemsvcError):
+    """An op_id this session already used, on a message that is not the one sent with it."""
+
+    code = "op_id_reused"
+
+
+# A message's fingerprint (see memsvc.protocol.message_digest): a retry resends the same bytes.
+Digest = tuple[int, tuple[int, ...]]
+
+
 @dataclass
 class Session:
     sid: str
@@ -40,7 +51,7 @@ class Session:
     lease_s: float
     last_seen: float
     rids: set[str] = field(default_factory=set)
-    replies: OrderedDict[int, list[bytes]] = field(default_factory=OrderedDict)
+    replies: OrderedDict[int, tuple[Digest, list[bytes]]] = field(default_factory=OrderedDict)
     checked_rows: tuple[bytes, int] | None = None  # last row batch that passed, and when
 
     def expired(self, now: float) -> bool:
@@ -106,11 +117,25 @@ class SessionTable:
     # -- idempotency -----------------------------------------------------------
 
     @staticmethod
-    def cached_reply(session: Session, op_id: int) -> list[bytes] | None:
-        return session.replies.get(op_id)
+    def cached_reply(session: Session, op_id: int, digest: Digest) -> list[bytes] | None:
+        """The first reply to ``op_id`` if this is a retry of it (the same message).
+
+        Raises :class:`OpIdReusedError` when ``op_id`` was used by another message:
+        answering it with the first reply would report an op that never ran.
+        """
+        cached = session.replies.get(op_id)
+        if cached is None:
+            return None
+        first_digest, reply = cached
+        if first_digest != digest:
+            raise OpIdReusedError(
+                f"op_id {op_id} was already used for another message in this session; "
+                "a retry must resend the same message, a new op needs a new op_id"
+            )
+        return reply
 
     @staticmethod
-    def remember_reply(session: Session, op_id: int, reply: list[bytes]) -> None:
-        session.replies[op_id] = reply
+    def remember_reply(session: Session, op_id: int, digest: Digest, reply: list[bytes]) -> None:
+        session.replies[op_id] = (digest, reply)
         if len(session.replies) > REPLY_CACHE_SIZE:
             session.replies.popitem(last=False)

@@ -20,6 +20,10 @@ Transferring -> Success, or Failed with a reason. memsvc-P says hello every
 :data:`HELLO_INTERVAL_S`; a decode side that hears nothing from any prefill
 peer for ``peer_timeout_s`` fails its waiting rooms ("prefill node
 unreachable"), and a prefill side whose peer stops answering fails its sends.
+A send whose room the decode side still does not expect after
+``bootstrap_timeout_s`` (SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``,
+300 s) fails too: that deadline runs from the send and no "not_ready" answer
+moves it, so a room nobody will expect gives its pages back.
 
 Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
 ``extension``), like every op, so it needs no locks.
@@ -28,6 +32,7 @@ Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -47,6 +52,13 @@ log = logging.getLogger("memsvc.transfer")
 HELLO_INTERVAL_S = 0.5
 QUERY_RETRY_S = (0.002, 0.1)  # first and longest wait between queries for a room not yet expected
 TRANSFER_BACKENDS = ("nixl", "zmq")
+BOOTSTRAP_TIMEOUT_ENV, BOOTSTRAP_TIMEOUT_S = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0
+
+
+def bootstrap_timeout_from_env() -> float:
+    """SGLang's prefill-side wait for the decode side to expect a room, in seconds."""
+    value = os.environ.get(BOOTSTRAP_TIMEOUT_ENV)
+    return BOOTSTRAP_TIMEOUT_S if value in (None, "") else float(value)
 
 
 class KVPoll(IntEnum):
@@ -112,6 +124,7 @@ class TransferAgent:
         listen: str | None = None,
         peer: str | None = None,
         peer_timeout_s: float = 5.0,
+        bootstrap_timeout_s: float | None = None,
     ) -> None:
         if role == "decode" and not listen:
             raise InvalidArgumentError("a decode-role memsvc needs --transfer-listen")
@@ -121,6 +134,9 @@ class TransferAgent:
             raise InvalidArgumentError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}")
         self.pool, self.role, self.listen, self.peer_address = pool, role, listen, peer
         self.peer_timeout_s = peer_timeout_s
+        if bootstrap_timeout_s is None:
+            bootstrap_timeout_s = bootstrap_timeout_from_env()
+        self.bootstrap_timeout_s = bootstrap_timeout_s
         self.page_size = pool.page_size
         self.mover = (
             NixlMover(pool, f"kvstack-{role}-{epoch}") if backend == "nixl" else ZmqMover(pool)
@@ -335,10 +351,7 @@ class TransferAgent:
 
     def _advance_send(self, room: Room, now: float) -> float:
         if room.state is KVPoll.BOOTSTRAPPING:
-            if now - room.waiting_since > self.peer_timeout_s and now - self.last_peer_seen > (
-                self.peer_timeout_s
-            ):
-                self._finish(room, f"decode node unreachable for {self.peer_timeout_s:.1f}s")
+            if self._bootstrap_failed(room, now):
                 return 1.0
             if now >= room.next_query:
                 self._query(room, now)
@@ -354,14 +367,29 @@ class TransferAgent:
             self._finish(room, "the decode node did not confirm the transfer")
         return 0.25
 
+    def _bootstrap_failed(self, room: Room, now: float) -> bool:
+        """Fail a send still bootstrapping: its peer went silent, or its deadline passed."""
+        if now - room.waiting_since > self.peer_timeout_s and now - self.last_peer_seen > (
+            self.peer_timeout_s
+        ):
+            self._finish(room, f"decode node unreachable for {self.peer_timeout_s:.1f}s")
+        elif now - room.created > self.bootstrap_timeout_s:
+            # "not_ready" answers do not move this deadline: a decode side that keeps
+            # answering but never expects the room (it moved the request to another
+            # room, or dropped it) must not hold these pages for ever.
+            self._abort_send(
+                room,
+                f"the decode side did not expect room {room.room} within "
+                f"{self.bootstrap_timeout_s:g}s ({BOOTSTRAP_TIMEOUT_ENV})",
+            )
+        return room.state is KVPoll.FAILED
+
     def _on_decode_reply(self, kind: str | None, header: dict) -> None:
         self.last_peer_seen = time.monotonic()
         room = self.rooms.get(header.get("room"))
         if room is None or room.state in (KVPoll.SUCCESS, KVPoll.FAILED):
             return
-        if kind == "not_ready":
-            room.waiting_since = self.last_peer_seen
-        elif kind == "failed":
+        if kind == "failed":
             self._finish(room, f"decode side: {header.get('why', '')}")
         elif kind == "ready" and room.state is KVPoll.BOOTSTRAPPING:
             self._start_send(room, header)

@@ -78,7 +78,8 @@ class ModelService:
             fields, arrays = self._handlers[msg.op](msg)
             return wire.pack({"ok": True, "op_id": op_id, "epoch": self.epoch, **fields}, arrays)
         except wire.ProtocolError as exc:
-            return self._error(op_id, exc.code, exc.message)
+            # Echo the op_id even of an invalid message: the client matches by it.
+            return self._error(wire.best_effort_op_id(frames), exc.code, exc.message)
         except (ModelSvcError, MemsvcError) as exc:
             return self._error(op_id, exc.code, str(exc))
         except Exception as exc:  # a bug: answer, log, keep serving

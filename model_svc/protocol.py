@@ -9,19 +9,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 from memsvc import protocol as memsvc_protocol
 from memsvc.protocol import IntArray, Message
 
+# SGLang's _SAMPLING_EPS (sampling_params.py): 0 <= temperature < it is greedy decoding.
+# Far smaller temperatures overflow float32 logits (below ~1e-45 they are 0 in float32).
+SAMPLING_EPS = 1e-6
+
+
+def _greedy_below_eps(temperature: float) -> float:
+    return 0.0 if temperature < SAMPLING_EPS else temperature
+
+
+def _usable_in_float32(top_p: float) -> float:
+    """The nucleus cut runs in float32: a top_p that rounds to 0 there would keep nothing."""
+    if np.float32(top_p) <= 0:
+        raise ValueError(f"top_p must be in (0, 1] in float32, and {top_p!r} rounds to 0 there")
+    return top_p
+
+
+# Sampling values as every wire of the stack takes them (the worker's, the scheduler's,
+# HTTP): a bad one is refused where it enters, never turned into NaNs in a batch.
+Temperature = Annotated[float, Field(ge=0.0, le=100.0), AfterValidator(_greedy_below_eps)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), AfterValidator(_usable_in_float32)]
+
 
 class SamplingSpec(BaseModel):
-    """Per-request sampling: temperature 0 is greedy."""
+    """Per-request sampling: temperature 0 (or below :data:`SAMPLING_EPS`) is greedy."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=0)  # 0: no top-k cut
     seed: int = Field(default=0, ge=0, lt=2**63)
     logprobs: bool = False

@@ -4,6 +4,11 @@ A random draw uses its own ``torch.Generator`` seeded from ``(seed, position)``,
 so the same request at the same position always draws the same token,
 whatever else is in the batch and however often the step is re-run (a
 re-run after a crash returns the same tokens).
+
+Each row is drawn on its own and never fails: a temperature below SGLang's
+``_SAMPLING_EPS`` is greedy, the most likely token always survives the top-p
+cut, and a row whose distribution cannot be drawn from (NaN or infinite
+logits) takes its most likely token, so one row can never break the batch.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from typing import NamedTuple
 
 import torch
 
+from model_svc.protocol import SAMPLING_EPS
+
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """``temperature == 0`` is greedy; ``top_k=None`` and ``top_p=1`` keep every token.
+    """``temperature`` below :data:`SAMPLING_EPS` (0 included) is greedy; ``top_k=None``
+    and ``top_p=1`` keep every token.
 
     ``seed=None`` draws as seed 0: the caller gives each request its own
     seed (e.g. :func:`seed_from_rid`) so that equal prompts can differ.
@@ -45,7 +53,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 class SampleResult(NamedTuple):
@@ -81,19 +89,29 @@ def sample(
 
 def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
     """Sample from one row: scale, keep the top-k, keep the top-p nucleus, draw."""
-    scaled = row.cpu() / param.temperature
+    # NaN sorts above everything: make it the least likely token instead.
+    scaled = torch.nan_to_num(row.cpu(), nan=-math.inf) / param.temperature
     # stable: equal logits keep vocabulary order, so the draw is reproducible
     sorted_logits, order = scaled.sort(descending=True, stable=True)
     if param.top_k is not None:
         sorted_logits, order = sorted_logits[: param.top_k], order[: param.top_k]
     probs = torch.softmax(sorted_logits, dim=-1)
     if param.top_p < 1:
-        # Keep a token while the mass before it is under top_p (the first always stays).
+        # Keep a token while the mass before it is under top_p; the first always stays,
+        # even for a top_p too small for float32 or a mass that is NaN.
         keep = (probs.cumsum(0) - probs) < param.top_p
+        keep[0] = True
         probs, order = probs[keep], order[keep]
+    if not _drawable(probs):
+        return int(order[0])  # no distribution to draw from: the most likely token
     generator = torch.Generator().manual_seed(draw_seed(param.seed or 0, position))
     choice = torch.multinomial(probs, 1, generator=generator)
     return int(order[choice])
+
+
+def _drawable(probs: torch.Tensor) -> bool:
+    """What ``torch.multinomial`` accepts: finite, non-negative, some mass."""
+    return bool(torch.isfinite(probs).all() and (probs >= 0).all() and probs.sum() > 0)
 
 
 def draw_seed(seed: int, position: int) -> int:

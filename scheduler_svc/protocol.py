@@ -15,8 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from memsvc import protocol as wire
 from memsvc.protocol import IntArray, Message
+from model_svc.protocol import Temperature, TopP
 
 MAX_PROMPT_TOKENS = 1 << 20
+# What the wire (msgpack, int64 array frames) carries: a larger integer is refused where it
+# enters, not found unpackable later.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class GenSampling(BaseModel):
@@ -26,10 +30,10 @@ class GenSampling(BaseModel):
 
     max_new_tokens: int = Field(default=128, ge=0, le=1 << 20)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    stop_token_ids: list[Int64] = Field(default_factory=list, max_length=64)
+    temperature: Temperature = 0.0  # below SGLang's _SAMPLING_EPS: greedy
+    top_p: TopP = 1.0
+    top_k: int = Field(default=0, ge=0, lt=2**63)
     seed: int = Field(default=0, ge=0, lt=2**63)
 
 
@@ -40,7 +44,7 @@ class Generate(Message):
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
     sampling: GenSampling = Field(default_factory=GenSampling)
     stream: bool = False
-    priority: int | None = None
+    priority: Int64 | None = None
     # PD mode: set by the router; pairs the prefill and decode sides of one request.
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
     # PD re-bootstrap: the decode side knows this request by another rid.
@@ -50,8 +54,15 @@ class Generate(Message):
     def _one_input(self) -> Generate:
         if (self.input_ids is None) == (self.text is None):
             raise ValueError("give exactly one of input_ids and text")
-        if self.input_ids is not None and not 0 < self.input_ids.size <= MAX_PROMPT_TOKENS:
+        if self.input_ids is None:
+            return self
+        if self.input_ids.size == 0:
             raise ValueError("input_ids must hold 1 or more tokens")
+        if self.input_ids.size > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"input_ids holds {self.input_ids.size} tokens, more than the limit of "
+                f"{MAX_PROMPT_TOKENS}"
+            )
         return self
 
 

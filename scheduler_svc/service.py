@@ -3,9 +3,11 @@
 Three tasks, all kept and cancelled on the way out: ``_intake`` reads client
 requests (validating each one at the edge and answering bad ones at once),
 ``_loop`` runs :meth:`Engine.step` while there is work, and ``_send`` writes
-replies in order. Intake applies the SGLang rules that keep a request from
-waiting forever: an input that can never fit the pool is rejected with 400,
-and ``max_new_tokens`` is clamped so that one request alone always fits.
+replies in order (``info`` also says whether the loop gets anywhere with the
+work it has, see :mod:`scheduler_svc.stall`). Intake applies the SGLang rules
+that keep a request from waiting forever: an input that can never fit the pool
+is rejected with 400, and ``max_new_tokens`` is clamped so that one request
+alone always fits.
 
 Faults: a step that fails because a peer failed goes to
 :class:`scheduler_svc.recovery.Recovery`, which repairs the engine's queues
@@ -48,6 +50,7 @@ from scheduler_svc.core import (
 )
 from scheduler_svc.engine import Engine
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
+from scheduler_svc.stall import StallWatch
 
 log = logging.getLogger("scheduler_svc")
 
@@ -100,6 +103,7 @@ class SchedulerService:
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self.stall = StallWatch()
         engine.emit = self._emit
         if mode == "decode":
             engine.on_rebootstrap = self._rebootstrap
@@ -138,11 +142,13 @@ class SchedulerService:
                 op_id = msg.op_id
                 reply = self._accept(identity, msg)
             except wire.ProtocolError as exc:
-                reply = _error(op_id, exc.code, exc.message, 400)
+                # Echo the op_id even of an invalid message: the client matches by it.
+                reply = _error(wire.best_effort_op_id(payload), exc.code, exc.message, 400)
             except RequestTooLargeError as exc:
                 reply = _error(op_id, "too_large", str(exc), 400)
             except Exception as exc:  # a bug: answer, log, keep serving
                 log.exception("intake failed")
+                op_id = op_id if op_id is not None else wire.best_effort_op_id(payload)
                 reply = _error(op_id, "internal", f"{type(exc).__name__}: {exc}", 500)
             if reply is not None:
                 self._outbox.put_nowait([identity, *reply])
@@ -150,12 +156,15 @@ class SchedulerService:
 
     async def _loop(self) -> None:
         while True:
+            self.stall.step_begins(time.monotonic())
+            progressed = False
             try:
-                did = await self.engine.step()
+                did = progressed = await self.engine.step()
                 self.recovery.step_succeeded()
             except (MemsvcError, ModelSvcError, PeerDeadError) as exc:
                 log.warning("scheduling step failed: %s: %s", type(exc).__name__, exc)
                 did = await self._recover(exc)
+            self.stall.step_ends(time.monotonic(), progressed=progressed, busy=not self.engine.idle)
             if not did:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -366,6 +375,7 @@ class SchedulerService:
             "new_token_ratio": engine.ratio.current,
             "num_running": len(engine.running),
             "num_waiting": len(engine.waiting),
+            "progress": self.stall.report(time.monotonic()),
             "stats": engine.stats.as_dict(),
             "recovery": {
                 **self.recovery.stats.as_dict(),

@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from scheduler_svc.client import GenerateResult
-from scheduler_svc.protocol import MAX_PROMPT_TOKENS, GenSampling
+from scheduler_svc.protocol import MAX_PROMPT_TOKENS, GenSampling, Int64
 
 log = logging.getLogger("kvstack.http")
 
@@ -33,7 +33,7 @@ class SamplingParamsIn(GenSampling):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, lt=2**63)
 
     def to_scheduler(self) -> dict[str, Any]:
         return {**self.model_dump(), "top_k": max(self.top_k, 0)}
@@ -45,11 +45,11 @@ class GenerateIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
-    input_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    input_ids: list[Int64] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=256)
-    priority: int | None = None
+    priority: Int64 | None = None
     # Sent as false by SGLang clients; true would need logprobs, which kvstack does not return.
     return_logprob: bool = False
 
@@ -101,6 +101,8 @@ async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed_json", "the body nests too deeply to parse") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

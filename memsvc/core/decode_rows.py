@@ -59,6 +59,10 @@ class DecodeRows:
         # One compare catches both ends: negative rows wrap to huge unsigned values.
         if (rows.view(np.uint64) >= self.table.num_rows).any() or not self.table.is_open(rows):
             raise UnknownRequestError("a row in the batch holds no open request")
+        # Row 0 is never open, so a batch longer than the rest of the table repeats one
+        # (and would not fit the scratch arrays below).
+        if rows.size >= self.table.num_rows:
+            raise InvalidArgumentError("a request appears twice in one batch")
         # Duplicates: scatter then gather positions; a repeated row keeps only one of them.
         positions = self._positions[: rows.size]
         self._scratch[rows] = positions

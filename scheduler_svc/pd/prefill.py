@@ -3,7 +3,9 @@
 A request is prefilled through the Engine's admission; then memsvc sends its KV
 to the decode node (``pd_send``) while it waits in ``inflight``. On Success it
 is released into the prefix tree and its first token is the reply; on Failed
-its KV is freed and it fails with 500.
+its KV is freed and it fails with 500. The queue is FIFO, but a prompt that is
+not admitted even with this node's pool empty can never be: it fails alone
+(400) instead of holding up the queue behind it.
 """
 
 from __future__ import annotations
@@ -43,7 +45,30 @@ class PrefillEngine(Engine):
     async def step(self) -> bool:
         await self._apply_commands()
         did = await self._prefill_round()
-        return await self._poll_inflight() or did
+        did = await self._poll_inflight() or did
+        return did or await self._refuse_unfittable_head()
+
+    async def _refuse_unfittable_head(self) -> bool:
+        """Fail the head of the queue alone if it was refused with the pool all free.
+
+        Nothing of this node's holds pages then (nothing running, chunked or in
+        flight, every page free or evictable), so no wait can make it fit. Intake
+        rejects prompts over the pool's capacity; this is what keeps the FIFO
+        queue moving should admission still refuse one.
+        """
+        if not (self.waiting and self.capacity) or self.running or self.chunked or self.inflight:
+            return False
+        sizes = self.mem.sizes  # fresh: the prefill round asked, with nothing running
+        if sizes.available + sizes.evictable < self.capacity:
+            return False  # pages held elsewhere (a session ending) may come back
+        head = self.waiting[0]
+        message = (
+            "Request prompt exceeds the KV memory budget of the prefill node: "
+            f"input_len={len(head.fill_ids)}, capacity={self.capacity}; it cannot be "
+            "admitted even into an empty pool"
+        )
+        await self._abort(head, message, 400)
+        return True
 
     async def _prefilled(self, req: Req, token: int) -> None:
         req.append_token(token)

@@ -11,8 +11,10 @@ scheduler streams the output, which the router relays::
                            └────── chunk / done ───────────┘
 
 A decode node that must re-prefill a victim (``--pd-retract-fallback
-recompute``) asks through the router (a ``rebootstrap`` reply), which sends
-the prefill node ``origin + output[:-1]`` under a fresh room. If the prefill
+recompute``, or after memsvc-D lost its KV) asks through the router (a
+``rebootstrap`` reply), which sends the prefill node ``origin + output[:-1]``
+under a fresh room and aborts what the prefill node still ran for the old
+one (the decode node no longer expects it). If the prefill
 node rejects a request, or stops answering for ``--prefill-timeout`` seconds,
 the decode side is aborted and the client gets the prefill node's error.
 
@@ -56,6 +58,7 @@ from scheduler_svc import protocol as p
 from scheduler_svc.engine import _seed_from_rid
 from scheduler_svc.pd.flight import (
     Flight,
+    error_header,
     error_reply,
     fingerprint,
     is_abort,
@@ -63,18 +66,27 @@ from scheduler_svc.pd.flight import (
     unpack_reply,
 )
 from scheduler_svc.pd.node_watch import NodeWatch
+from scheduler_svc.stall import wedged
 
 log = logging.getLogger("scheduler_svc.pd.router")
 
 MAX_DECODE_RESENDS = 3  # a generate the decode node calls malformed (damaged on the way)
+STALL_TIMEOUT_S = 30.0  # no node with work progressed this long: the stack is wedged
 
 
 class Router:
     def __init__(
-        self, listen: str, prefill: str, decode: str, *, prefill_timeout_s: float = 10.0
+        self,
+        listen: str,
+        prefill: str,
+        decode: str,
+        *,
+        prefill_timeout_s: float = 10.0,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         self.listen, self.prefill_address, self.decode_address = listen, prefill, decode
         self.prefill_timeout_s = prefill_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._ops = itertools.count(1)
         self.flights: dict[str, Flight] = {}  # live requests by rid
         self._by_decode_op: dict[int, Flight] = {}
@@ -131,10 +143,8 @@ class Router:
             if len(frames) < 2:
                 continue
             identity, payload = frames[0], frames[1:]
-            op_id = None
             try:
                 msg = p.parse_request(payload)
-                op_id = msg.op_id
                 if msg.op == "generate":
                     await self._generate(identity, msg)
                 elif msg.op == "abort":
@@ -142,6 +152,8 @@ class Router:
                 else:
                     self.spawn(self._info(identity, msg))
             except wire.ProtocolError as exc:
+                # Echo the op_id even of an invalid message: the client matches by it.
+                op_id = wire.best_effort_op_id(payload)
                 await self._reply(identity, error_reply(op_id, exc.code, exc.message, 400))
 
     async def _generate(self, identity: bytes, msg: p.Generate) -> None:
@@ -238,16 +250,25 @@ class Router:
         return list(dict.fromkeys([rid, *(flight.prefill_rids if flight else [])]))
 
     async def _info(self, identity: bytes, msg: p.Info) -> None:
+        """The decode node's info, with the prefill node's and the router's.
+
+        A wedged stack (see :func:`scheduler_svc.stall.wedged`) answers it as an
+        error (503, code ``wedged``) that still carries the info: health checks
+        (``kvstack status``, ``GET /health``) then report it unhealthy.
+        """
         decode = await self.call(self.decode, {"op": "info"})
         prefill = await self.call(self.prefill, {"op": "info"}, timeout=2.0)
         if decode is None:
             reply = error_reply(msg.op_id, "unavailable", "the decode node does not answer", 503)
-        else:
-            info = {k: v for k, v in decode.items() if k not in ("op_id", "ok")}
-            router = {**self.stats, "flights": len(self.flights)}
-            info.update(mode="pd", prefill=prefill, router=router)
-            reply = wire.pack({"ok": True, "op_id": msg.op_id, **info})
-        await self._reply(identity, reply)
+            await self._reply(identity, reply)
+            return
+        info = {k: v for k, v in decode.items() if k not in ("op_id", "ok")}
+        router = {**self.stats, "flights": len(self.flights)}
+        info.update(mode="pd", prefill=prefill, router=router)
+        progress = {"decode": decode.get("progress"), "prefill": (prefill or {}).get("progress")}
+        why = wedged(progress, self.stall_timeout_s)
+        status = {"ok": True} if why is None else error_header("wedged", why, 503)
+        await self._reply(identity, wire.pack({**info, **status, "op_id": msg.op_id}))
 
     async def call(
         self, sock: zmq.asyncio.Socket, header: dict, timeout: float = 10.0
@@ -313,8 +334,10 @@ class Router:
         The prefill node samples under the request's own seed (the rid's, if it
         set none), so a request whose first token is sampled again gets the same.
         """
-        self.stats["rebootstraps"] += 1
         room = int(header["room"])
+        if any(h.get("bootstrap_room") == room for h, _ in flight.prefill_ops.values()):
+            return  # the same re-bootstrap twice (duplicated on the way)
+        self.stats["rebootstraps"] += 1
         sampling = {**flight.header["sampling"], "max_new_tokens": 1, "ignore_eos": True}
         sampling["seed"] = sampling.get("seed") or _seed_from_rid(flight.rid)
         request = {
@@ -328,7 +351,19 @@ class Router:
         }
         ids = np.asarray(header["input_ids"], dtype=wire.ARRAY_DTYPE)
         outputs = ids.size + 1 - flight.prompt_len if flight.prompt_len else 0
+        await self._drop_superseded_prefills(flight)
         await self.send_prefill(flight, request, {"input_ids": ids}, max(flight.seen, outputs))
+
+    async def _drop_superseded_prefills(self, flight: Flight) -> None:
+        """A re-bootstrap moves the request to a new room: abort what serves the old ones.
+
+        The decode node no longer expects those rooms, so a prefill still running
+        (or sending) for one would hold its pages on the prefill node until its
+        deadline, and the queue behind it would wait. A redrive waiting for those
+        prefills to end is superseded too: the decode node asked for this room.
+        """
+        flight.redrive_pending = False
+        await self.abort_on_prefill(self.drop_prefill_ops(flight))
 
     async def _from_prefill(self) -> None:
         while True:
@@ -403,6 +438,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds of silence from the prefill scheduler before its requests fail",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        help="seconds in which no node with queued work makes progress before the router's "
+        "info (and so `kvstack status` and GET /health) calls the stack wedged",
+    )
     add_service_args(parser, ready_fields="address, pid")
     return parser
 
@@ -416,7 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
-    router = Router(listen, args.prefill, args.decode, prefill_timeout_s=args.prefill_timeout)
+    router = Router(
+        listen,
+        args.prefill,
+        args.decode,
+        prefill_timeout_s=args.prefill_timeout,
+        stall_timeout_s=args.stall_timeout,
+    )
     asyncio.run(router.run(args.ready_file))
     return 0
 

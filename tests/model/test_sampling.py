@@ -77,3 +77,23 @@ def test_invalid_params(kwargs: dict) -> None:
 def test_seed_from_rid_is_stable() -> None:
     assert seed_from_rid("req-1") == seed_from_rid("req-1") != seed_from_rid("req-2")
     assert 0 <= seed_from_rid("req-1") < 2**64
+
+
+def test_one_bad_row_never_breaks_the_batch() -> None:
+    """float32 edge values and NaN logits draw a token for their own row only (issue 18)."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]] * 4)
+    logits[3] = torch.tensor([float("nan"), 1.0, float("nan"), 3.0])
+    params = [
+        SamplingParams(temperature=1e-300, seed=1),  # SGLang: below _SAMPLING_EPS is greedy
+        SamplingParams(temperature=1.0, top_p=1e-46, seed=2),  # 0 in float32: top token only
+        SamplingParams(temperature=0.7, seed=3),
+        SamplingParams(temperature=1.0, seed=4),
+    ]
+    assert params[0].is_greedy and not params[1].is_greedy
+    tokens, _ = sample(logits, params, [5, 5, 5, 5])
+    assert tokens[:2].tolist() == [1, 1]
+    alone, _ = sample(logits[2:3], params[2:3], [5])
+    assert int(tokens[2]) == int(alone[0])  # its neighbours change nothing
+    assert int(tokens[3]) in (1, 3)  # NaN logits are never chosen
+    nothing = torch.full((1, 4), float("nan"))
+    assert sample(nothing, [SamplingParams(temperature=1.0, seed=5)], [0])[0].shape == (1,)

@@ -139,3 +139,28 @@ def test_rooms_are_guarded(memsvc_factory, tmp_path):
         with pytest.raises(InvalidArgumentError):
             p.pd_send("x", 1, 4, first_token=0)  # holds no KV
         p.free_row("x")
+
+
+def test_a_room_the_decode_side_never_expects_fails_by_its_deadline(memsvc_factory, tmp_path):
+    """memsvc-D answers "not_ready" for a room it never expects (its scheduler re-bootstrapped
+    the request under another room): the send fails at SGLang's bootstrap deadline, however
+    many "not_ready" came back, instead of holding the pages for ever (issue 18)."""
+    deadline = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "2"}
+    listen = f"ipc://{tmp_path}/transfer.sock"
+    common = ["--transfer-backend", "zmq", "--transfer-timeout", "2"]
+    memsvc_factory("--pd-role", "decode", "--transfer-listen", listen, *common, name="d")
+    prefill = memsvc_factory(
+        "--pd-role", "prefill", "--transfer-peer", listen, *common, name="p", env=deadline
+    )
+    with MemClient(prefill.address) as p:
+        p.alloc_row("r")
+        p.alloc_extend([("r", 8)])
+        started = time.monotonic()
+        p.pd_send("r", 21, 8, first_token=1)
+        report = wait_state(p, 21, timeout=15)
+        assert report["state"] == KVPoll.FAILED, report
+        assert "did not expect" in report["why"] and "2" in report["why"], report
+        assert time.monotonic() - started < 10
+        p.pd_forget([21])
+        p.free_row("r")
+        p.check(idle=True)
