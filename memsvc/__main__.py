@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from memsvc.cli import add_service_args, setup_logging
+from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE, add_service_args, setup_logging
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
@@ -50,11 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="KV element type",
     )
-    pool.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    pool.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per page")
     pool.add_argument(
         "--num-pages",
         type=int,
-        default=1024,
+        default=DEFAULT_NUM_PAGES,
         help="usable pages (capacity = num_pages x page_size tokens)",
     )
     pool.add_argument(

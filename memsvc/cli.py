@@ -1,4 +1,7 @@
-"""Command-line pieces every kvstack service shares: where it listens, its ready file, logs."""
+"""Command-line pieces every kvstack service shares: where it listens, its ready file, logs.
+
+Also memsvc's pool defaults, which the ``kvstack`` commands size pools from.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ import os
 from typing import Any
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page
+DEFAULT_NUM_PAGES = 1024  # usable pages: 16384 tokens at the default page size
 
 
 def add_service_args(parser: Any, *, ready_fields: str) -> None:

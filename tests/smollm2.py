@@ -71,8 +71,25 @@ def hf_tokenizer(smollm2_checkpoint: Path):
     return AutoTokenizer.from_pretrained(smollm2_checkpoint)
 
 
+LONG_PROMPT_TOKENS = 150  # most of a 256-token pool, as the demo's long request
+
+
 @pytest.fixture(scope="session")
 def prompts(hf_tokenizer) -> dict[str, list[int]]:
+    """The chats and texts above, and ``long``: a passage to summarize (the demo's), cut
+    by whole words to at most LONG_PROMPT_TOKENS in the chat template."""
+    from kvstack.demo.workload import PASSAGE
+
+    def chat(text: str) -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        rendered = hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return hf_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    words = PASSAGE.split()
+    while len(chat("Summarize:\n\n" + " ".join(words))) > LONG_PROMPT_TOKENS:
+        words.pop()
     chats = {
         f"chat{i}": hf_tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -81,8 +98,11 @@ def prompts(hf_tokenizer) -> dict[str, list[int]]:
     }
     texts = {f"text{i}": text for i, text in enumerate(TEXTS)}
     return {
-        rid: hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-        for rid, text in (chats | texts).items()
+        "long": chat("Summarize:\n\n" + " ".join(words)),
+        **{
+            rid: hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+            for rid, text in (chats | texts).items()
+        },
     }
 
 

