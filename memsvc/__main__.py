@@ -40,10 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
         "radix prefix cache and the host store, and serves them over ZMQ.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    pool = parser.add_argument_group("pool layout (must match the model)")
-    pool.add_argument("--num-layers", type=int, default=4, help="transformer layers")
-    pool.add_argument("--num-kv-heads", type=int, default=2, help="KV heads per layer")
-    pool.add_argument("--head-dim", type=int, default=64, help="dimension of one head")
+    pool = parser.add_argument_group(
+        "pool layout (the model's; kvstack serve / up read it from the checkpoint)"
+    )
+    pool.add_argument(
+        "--num-layers", type=int, required=True, help="transformer layers (num_hidden_layers)"
+    )
+    pool.add_argument(
+        "--num-kv-heads",
+        type=int,
+        required=True,
+        help="KV heads per layer (num_key_value_heads)",
+    )
+    pool.add_argument("--head-dim", type=int, required=True, help="dimension of one head")
     pool.add_argument(
         "--dtype",
         choices=["float16", "bfloat16", "float32", "float64"],

@@ -67,7 +67,10 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
 def test_memsvc_with_cuda_backend_and_no_gpu_exits_with_a_clear_error(tmp_path) -> None:
     if gpu_missing_reason() is None:
         pytest.skip("a GPU is present; this checks memsvc's error without one")
-    proc = run_module("memsvc", "--backend", "cuda", "--listen", f"ipc://{tmp_path}/m.sock")
+    layout = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8"]
+    proc = run_module(
+        "memsvc", *layout, "--backend", "cuda", "--listen", f"ipc://{tmp_path}/m.sock"
+    )
     assert proc.returncode == 2, proc.stderr
     assert "memsvc: error: backend 'cuda'" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -254,9 +254,26 @@ def test_sigterm_exits_zero_and_removes_shm_and_socket(tmp_path) -> None:
     assert "memsvc stopped" in svc.log()
 
 
+LAYOUT = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8"]
+
+
+def test_the_layout_is_required(tmp_path) -> None:
+    """memsvc knows no model: no default geometry (the tiny model's used to be one)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "memsvc", "--num-layers", "1", "--head-dim", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "the following arguments are required: --num-kv-heads" in out.stderr
+
+
 def test_refuses_non_loopback_unless_asked(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "memsvc", "--listen", f"tcp://0.0.0.0:{free_port()}"],
+        [sys.executable, "-m", "memsvc", *LAYOUT, "--listen", f"tcp://0.0.0.0:{free_port()}"],
         capture_output=True,
         text=True,
         timeout=60,
