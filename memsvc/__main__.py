@@ -13,11 +13,11 @@ from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE, add_service_args, s
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
+from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.handlers import MemService, ServiceConfig
+from memsvc.limits import MessageLimit
 from memsvc.metrics import Metrics
 from memsvc.server import (
-    HARD_LIMIT_FACTOR,
-    CurveServerKeys,
     ServiceShell,
     check_listen_address,
     default_listen_address,
@@ -148,20 +148,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     net = parser.add_argument_group("service")
     net.add_argument(
-        "--curve-secret-key",
-        default=None,
-        help="server certificate (zmq.auth format) turning on CURVE encryption",
-    )
-    net.add_argument(
-        "--curve-clients",
-        default=None,
-        help="folder of authorized client public certificates (with CURVE)",
-    )
-    net.add_argument(
         "--max-message-bytes",
         type=int,
         default=64 << 20,
-        help="larger requests get a too_large error reply",
+        help="larger requests get a too_large error reply (read and dropped frame by frame)",
+    )
+    net.add_argument(
+        "--max-sessions",
+        type=int,
+        default=ServiceConfig.max_sessions,
+        help="sessions open at once; one more hello gets too_many_sessions",
+    )
+    net.add_argument(
+        "--max-lease",
+        type=float,
+        default=ServiceConfig.max_lease_s,
+        help="longest session lease (seconds) a hello may ask for",
     )
     net.add_argument(
         "--reap-interval",
@@ -181,10 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="address the metrics server binds (non-loopback needs --allow-remote)",
     )
     add_service_args(net, ready_fields="address, epoch, pid, metrics_port")
+    add_curve_arguments(
+        parser,
+        connects_to="the decode node's transfer listener (--pd-role prefill); the listener "
+        "(--pd-role decode) serves with --curve-secret-key / --curve-clients",
+    )
     return parser
 
 
-def make_transfer_agent(args: argparse.Namespace, pool: KVPool, epoch: str) -> TransferAgent:
+def make_transfer_agent(
+    args: argparse.Namespace, pool: KVPool, epoch: str, curve: CurveKeys
+) -> TransferAgent:
     backend = args.transfer_backend
     if backend == "auto":
         backend = "nixl" if importlib.util.find_spec("nixl_cu12") else "zmq"
@@ -198,6 +207,7 @@ def make_transfer_agent(args: argparse.Namespace, pool: KVPool, epoch: str) -> T
         listen=args.transfer_listen,
         peer=args.transfer_peer,
         peer_timeout_s=args.transfer_timeout,
+        curve=curve,
     )
     log.info("PD %s role, %s transfer backend", args.pd_role, backend)
     return agent
@@ -209,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listen = args.listen or default_listen_address()
         check_listen_address(listen, allow_remote=args.allow_remote)
-        if bool(args.curve_secret_key) != bool(args.curve_clients):
-            raise MemsvcError("--curve-secret-key and --curve-clients go together")
+        curve = curve_from_args(args)
         layout = PoolLayout(
             num_layers=args.num_layers,
             num_kv_heads=args.num_kv_heads,
@@ -252,25 +261,23 @@ def main(argv: list[str] | None = None) -> int:
             ServiceConfig(
                 retract_decode_steps=args.retract_decode_steps,
                 max_message_bytes=args.max_message_bytes,
+                max_sessions=args.max_sessions,
+                max_lease_s=args.max_lease,
             ),
             metrics,
         )
         metrics.watch(service)
         if args.pd_role != "none":
-            service.transfer = make_transfer_agent(args, pool, service.epoch)
-        curve = (
-            CurveServerKeys(args.curve_secret_key, args.curve_clients)
-            if args.curve_secret_key
-            else None
-        )
+            service.transfer = make_transfer_agent(args, pool, service.epoch, curve)
         server = ServiceShell(
             "memsvc",
             service.handle,
             listen,
             tick=service.expire_sessions,
             tick_interval_s=args.reap_interval,
-            max_frame_bytes=args.max_message_bytes * HARD_LIMIT_FACTOR,
-            curve=curve,
+            limit=MessageLimit(args.max_message_bytes),
+            reject=service.reject,
+            curve=curve.server,
             ready_file=args.ready_file,
             ready_info={"epoch": service.epoch, "metrics_port": metrics_port},
             extension=service.transfer,

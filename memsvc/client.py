@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from memsvc.core import errors
 from memsvc.core.backends import AttachedBuffers
 from memsvc.core.backends import attach as attach_handle
 from memsvc.core.layout import PoolLayout
+from memsvc.curve import CurveClientKeys
 from memsvc.ops import AllocResult, PoolSizes, RetractReply, _Call, _nothing, _Ops
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 
@@ -85,24 +85,6 @@ _ERRORS_BY_CODE = {
     "unknown_session": UnknownSessionError,
     "not_owner": NotOwnerError,
 }
-
-
-@dataclass(frozen=True)
-class CurveClientKeys:
-    server_public_key: bytes
-    public_key: bytes
-    secret_key: bytes
-
-    @classmethod
-    def from_files(cls, server_cert: str, client_cert: str) -> CurveClientKeys:
-        """The server's public certificate and this client's secret certificate."""
-        import zmq.auth
-
-        server_public, _ = zmq.auth.load_certificate(server_cert)
-        public, secret = zmq.auth.load_certificate(client_cert)
-        if secret is None:
-            raise errors.InvalidArgumentError(f"{client_cert} holds no secret key")
-        return cls(server_public, public, secret)
 
 
 class _Session:

@@ -22,7 +22,7 @@ from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.metrics import Metrics
-from memsvc.sessions import NotOwnerError, Session, SessionTable
+from memsvc.sessions import NotOwnerError, Session, SessionTable, TooManySessionsError
 from memsvc.transfer import TransferAgent
 
 log = logging.getLogger("memsvc")
@@ -34,6 +34,10 @@ Reply = tuple[dict[str, Any], dict[str, np.ndarray] | None]
 class ServiceConfig:
     retract_decode_steps: int = 20  # SGLANG_RETRACT_DECODE_STEPS
     max_message_bytes: int = 64 << 20
+    # A stack opens a few sessions (a scheduler, a worker, their restarted successors
+    # until the old leases run out): these bound what hellos alone can make memsvc keep.
+    max_sessions: int = 256
+    max_lease_s: float = 600.0
 
 
 class MemService:
@@ -125,6 +129,11 @@ class MemService:
     ) -> list[bytes]:
         return p.pack({"ok": True, "op_id": op_id, **self._sizes(), **fields}, arrays)
 
+    def reject(self, frames: list[bytes], error: p.ProtocolError) -> list[bytes]:
+        """The reply to a message the shell did not read whole (over the size limit)."""
+        op_id = p.best_effort_op_id(frames)
+        return self._pack_error("invalid", op_id, error.code, error.message, time.perf_counter())
+
     def _pack_error(
         self, op: str, op_id: int | None, code: str, message: str, started: float
     ) -> list[bytes]:
@@ -135,6 +144,16 @@ class MemService:
     # -- sessions --------------------------------------------------------------
 
     def _hello(self, msg: p.Hello, now: float) -> Reply:
+        config = self.config
+        if msg.lease_s > config.max_lease_s:
+            raise InvalidArgumentError(
+                f"lease_s {msg.lease_s:g} exceeds this memsvc's --max-lease {config.max_lease_s:g}"
+            )
+        if len(self.sessions) >= config.max_sessions:
+            raise TooManySessionsError(
+                f"all {config.max_sessions} sessions (--max-sessions) are open; one must say "
+                "goodbye or let its lease run out first"
+            )
         session = self.sessions.open(msg.role, msg.lease_s, msg.name, now)
         log.info(
             "session %s opened (%s %s, lease %.1fs)", session.sid, msg.role, msg.name, msg.lease_s

@@ -10,6 +10,7 @@ its reply cache, model_svc because forward passes are idempotent).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -17,22 +18,35 @@ import zmq
 import zmq.asyncio
 
 from memsvc import protocol as p
+from memsvc.curve import CurveClientKeys, make_client
 
 
 class NoReplyError(TimeoutError):
     """The peer did not answer within the timeout, through every retry."""
 
 
-def dealer(ctx: zmq.Context, address: str, curve: Any | None = None) -> zmq.Socket:
-    """A connected DEALER socket; ``curve`` has server_public_key / public_key / secret_key."""
+def dealer(ctx: zmq.Context, address: str, curve: CurveClientKeys | None = None) -> zmq.Socket:
+    """A connected DEALER socket, a CURVE client of ``address`` if ``curve`` is given."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    if curve is not None:
-        sock.curve_serverkey = curve.server_public_key
-        sock.curve_publickey = curve.public_key
-        sock.curve_secretkey = curve.secret_key
+    make_client(sock, curve)
     sock.connect(address)
     return sock
+
+
+def send_or_drop(sock: zmq.Socket, frames: list[bytes]) -> bool:
+    """Send without blocking; False if the message was dropped.
+
+    A DEALER has nowhere to queue once a server's CURVE refused it (its
+    connection is gone until the next try), and a blocking send would then
+    wait for ever. A dropped request is a request that gets no reply: the
+    caller's timeout and retries handle it like any other.
+    """
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 class Requester:
@@ -59,7 +73,7 @@ class Requester:
         """Send ``frames`` and return the decoded reply to ``op_id``."""
         sock = self.sock
         for _ in range(retries + 1):
-            sock.send_multipart(frames)
+            send_or_drop(sock, frames)
             deadline = time.monotonic() + timeout_s
             left = timeout_s
             while left > 0:
@@ -89,7 +103,8 @@ async def request_async(
 ) -> dict[str, Any]:
     """:func:`request` for asyncio sockets (one request in flight per socket)."""
     for _ in range(retries + 1):
-        await sock.send_multipart(frames)
+        with contextlib.suppress(zmq.Again):  # as in send_or_drop
+            await sock.send_multipart(frames, zmq.NOBLOCK)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not await sock.poll(left * 1000):

@@ -17,28 +17,19 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import zmq
 
+from memsvc import curve
 from memsvc.cli import write_ready_file
 from memsvc.core.errors import InvalidArgumentError
+from memsvc.curve import CurveServerKeys
+from memsvc.limits import DEFAULT_LIMIT, Inbound, MessageLimit, recv_bounded, too_large_reply
+from memsvc.protocol import ProtocolError
 
 log = logging.getLogger("memsvc")
-
-# Messages over the service's own limit but under this multiple of it get a
-# `too_large` error reply; ZMQ drops a peer that sends a frame larger still.
-HARD_LIMIT_FACTOR = 4
-
-
-@dataclass(frozen=True)
-class CurveServerKeys:
-    """CURVE for TCP: the server's certificate and a folder of authorized client certs."""
-
-    secret_key_file: str
-    authorized_clients_dir: str
 
 
 def default_listen_address(name: str = "memsvc") -> str:
@@ -137,9 +128,11 @@ class Extension(Protocol):
 class ServiceShell:
     """Serves a request handler on a ROUTER socket until SIGTERM / SIGINT or :meth:`request_stop`.
 
-    ``handle(frames) -> frames`` answers one request; ``tick(now)`` runs every
-    ``tick_interval_s`` (memsvc's lease reaper). The socket loop runs in one
-    dedicated thread, blocking in ``zmq_poll`` the way a bare ZMQ server does
+    ``handle(frames) -> frames`` answers one request; a message over ``limit``
+    is never held whole (see :mod:`memsvc.limits`): ``reject(frames, error)``
+    answers it from its header. ``tick(now)`` runs every ``tick_interval_s``
+    (memsvc's lease reaper). The socket loop runs in one dedicated thread,
+    blocking in ``zmq_poll`` the way a bare ZMQ server does
     (an event-loop reader costs this path extra syscalls and wake-ups). That
     thread is the only one that calls ``handle`` and ``tick``, so each op stays
     atomic. The asyncio side owns what is asynchronous: signals, start-up and
@@ -154,7 +147,8 @@ class ServiceShell:
         *,
         tick: Callable[[float], object] | None = None,
         tick_interval_s: float = 0.25,
-        max_frame_bytes: int = 256 << 20,
+        limit: MessageLimit = DEFAULT_LIMIT,
+        reject: Callable[[list[bytes], ProtocolError], list[bytes]] = too_large_reply,
         curve: CurveServerKeys | None = None,
         ready_file: str | None = None,
         ready_info: dict | None = None,
@@ -166,7 +160,7 @@ class ServiceShell:
         self.listen = listen
         self.tick = tick
         self.tick_interval_s = tick_interval_s
-        self.max_frame_bytes = max_frame_bytes
+        self.limit, self.reject = limit, reject
         self.curve = curve
         self.ready_file = ready_file
         self.ready_info = ready_info or {}
@@ -223,9 +217,9 @@ class ServiceShell:
         error: BaseException | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-            if self.curve:
-                auth = self._start_curve(sock)
+            self.limit.apply(sock)
+            # The context's ZAP handler also vets the extension's CURVE sockets.
+            auth = curve.secure_server(self._ctx, sock, self.curve)
             sock.bind(self.listen)
             extra = self.extension.open(self._ctx) if self.extension else []
         except BaseException as exc:
@@ -251,28 +245,39 @@ class ServiceShell:
         # The hot path is the one a bare ZMQ server has: a blocking recv, the
         # handler, a send. The receive timeout is the tick, which also bounds
         # how long a stop request waits.
-        handle, tick = self.handle, self.tick
+        tick, limit = self.tick, self.limit
         sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.tick_interval_s * 1000)))
         next_tick = time.monotonic() + self.tick_interval_s
         while not self._stopping.is_set():
             try:
-                frames = sock.recv_multipart()
+                inbound = recv_bounded(sock, limit, keep=2)
             except zmq.Again:
-                frames = None
-            if frames is not None and len(frames) >= 2:  # identity + payload
-                try:
-                    sock.send_multipart([frames[0], *handle(frames[1:])], zmq.NOBLOCK)
-                except zmq.Again:
-                    log.warning("reply dropped: the client's queue is full")
+                inbound = None  # the tick's receive timeout
+            if inbound is not None:
+                self._answer(sock, inbound)
             if tick is not None:
                 now = time.monotonic()
                 if now >= next_tick:
                     tick(now)
                     next_tick = now + self.tick_interval_s
 
+    def _answer(self, sock: zmq.Socket, inbound: Inbound) -> None:
+        """Reply to one message (a routing identity and a payload; anything less is dropped)."""
+        frames = inbound.frames
+        if len(frames) < 2:
+            return
+        if inbound.too_large is None:
+            reply = self.handle(frames[1:])
+        else:
+            reply = self.reject(frames[1:], inbound.too_large)
+        try:
+            sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("reply dropped: the client's queue is full")
+
     def _serve_with(self, sock: zmq.Socket, extra: list[zmq.Socket]) -> None:
         """The loop with an extension: poll every socket, give the extension its turns."""
-        handle, tick, extension = self.handle, self.tick, self.extension
+        tick, extension, limit = self.tick, self.extension, self.limit
         poller = zmq.Poller()
         for s in (sock, *extra):
             poller.register(s, zmq.POLLIN)
@@ -286,31 +291,12 @@ class ServiceShell:
                     continue
                 while True:
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        inbound = recv_bounded(sock, limit, keep=2, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(frames) >= 2:
-                        try:
-                            sock.send_multipart([frames[0], *handle(frames[1:])], zmq.NOBLOCK)
-                        except zmq.Again:
-                            log.warning("reply dropped: the client's queue is full")
+                    self._answer(sock, inbound)
             now = time.monotonic()
             wake = extension.progress(now)
             if tick is not None and now >= next_tick:
                 tick(now)
                 next_tick = now + self.tick_interval_s
-
-    def _start_curve(self, sock: zmq.Socket):
-        import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
-
-        public, secret = zmq.auth.load_certificate(self.curve.secret_key_file)
-        if secret is None:
-            raise InvalidArgumentError(f"{self.curve.secret_key_file} holds no secret key")
-        auth = ThreadAuthenticator(self._ctx)
-        auth.start()
-        auth.configure_curve(domain="*", location=self.curve.authorized_clients_dir)
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
-        return auth

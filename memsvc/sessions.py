@@ -26,6 +26,12 @@ class UnknownSessionError(MemsvcError):
     code = "unknown_session"
 
 
+class TooManySessionsError(MemsvcError):
+    """A hello while memsvc holds as many sessions as it takes (``--max-sessions``)."""
+
+    code = "too_many_sessions"
+
+
 class NotOwnerError(MemsvcError):
     """The request belongs to another session."""
 

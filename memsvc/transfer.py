@@ -25,6 +25,20 @@ A send whose room the decode side still does not expect after
 300 s) fails too: that deadline runs from the send and no "not_ready" answer
 moves it, so a room nobody will expect gives its pages back.
 
+Who may touch a room on the decode side: the transfer listener is a CURVE
+server when memsvc has ``--curve-secret-key`` / ``--curve-clients`` (memsvc-P
+connects with ``--curve-client-key`` / ``--curve-server-key``), so only
+accepted keys get a message through. A room is bound to the peer (its
+connection and its CURVE key) whose ``query`` opened it: ``data``, ``done``
+and ``abort`` from any other peer are refused and leave the room as it is,
+and a ``query`` under another key is answered ``failed`` without touching it.
+The same key may open the room again from a new connection (a restarted or
+reconnected memsvc-P), which moves the binding there. A room not opened yet
+takes no ``data`` or ``done``, only an ``abort`` (the prefill side gives up on
+rooms it was never answered for). Without CURVE every peer has the same (no)
+key: the binding then only stops writes from a connection that did not open
+the room.
+
 Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
 ``extension``), like every op, so it needs no locks.
 """
@@ -45,7 +59,10 @@ import zmq
 from memsvc.core.backends.base import aligned_pages
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
-from memsvc.movers import NixlMover, ZmqMover, pack_frames
+from memsvc.curve import CurveKeys, make_client, make_server, peer_key
+from memsvc.limits import DEFAULT_LIMIT, MessageLimit, recv_bounded
+from memsvc.movers import CHUNK_PAGES, NixlMover, ZmqMover, pack_frames
+from memsvc.rpc import send_or_drop
 
 log = logging.getLogger("memsvc.transfer")
 
@@ -67,6 +84,15 @@ class KVPoll(IntEnum):
     WAITING_FOR_INPUT = 2
     TRANSFERRING = 3
     SUCCESS = 4
+
+
+Peer = tuple[bytes, str | None]  # a transfer peer: its connection's routing id, its CURVE key
+
+
+def listener_limit(pool: KVPool) -> MessageLimit:
+    """What a prefill peer may send the listener at once: one data chunk and a small header."""
+    chunk_bytes = CHUNK_PAGES * pool.buffers.layout.bytes_per_page
+    return MessageLimit(max_bytes=chunk_bytes + (1 << 20), max_frames=4, hard_factor=1)
 
 
 def page_geometry(pool: KVPool) -> list[Any]:
@@ -98,6 +124,7 @@ class Room:
     chunks: dict[int, int] = field(default_factory=dict)  # zmq: first page -> pages received
     bytes: int = 0
     owner: int = 0  # the memsvc session whose request this is
+    peer: Peer | None = None  # decode side: the peer whose query opened the room
     peer_rid: str = ""  # prefill side: the rid the decode side expects
 
     def report(self) -> dict[str, Any]:
@@ -125,6 +152,7 @@ class TransferAgent:
         peer: str | None = None,
         peer_timeout_s: float = 5.0,
         bootstrap_timeout_s: float | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if role == "decode" and not listen:
             raise InvalidArgumentError("a decode-role memsvc needs --transfer-listen")
@@ -134,6 +162,10 @@ class TransferAgent:
             raise InvalidArgumentError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}")
         self.pool, self.role, self.listen, self.peer_address = pool, role, listen, peer
         self.peer_timeout_s = peer_timeout_s
+        self.epoch = epoch
+        # The listener serves with the server keys (the shell's ZAP handler vets its
+        # clients); the prefill side connects with the client keys.
+        self.curve = curve or CurveKeys()
         if bootstrap_timeout_s is None:
             bootstrap_timeout_s = bootstrap_timeout_from_env()
         self.bootstrap_timeout_s = bootstrap_timeout_s
@@ -142,6 +174,8 @@ class TransferAgent:
             NixlMover(pool, f"kvstack-{role}-{epoch}") if backend == "nixl" else ZmqMover(pool)
         )
         self.rooms: dict[int, Room] = {}
+        # The prefill side hears only its configured peer (whose "ready" carries NIXL metadata).
+        self.limit = listener_limit(pool) if role == "decode" else DEFAULT_LIMIT
         self.sock: zmq.Socket | None = None
         self.last_peer_seen = time.monotonic()
         self.next_hello = 0.0
@@ -157,25 +191,40 @@ class TransferAgent:
         if self.role == "decode":
             self.sock = ctx.socket(zmq.ROUTER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.limit.apply(self.sock)
+            if self.curve.server is not None:
+                make_server(self.sock, self.curve.server)
             self.sock.bind(self.listen)
         else:
             self.sock = ctx.socket(zmq.DEALER)
             self.sock.setsockopt(zmq.LINGER, 0)
+            # One routing id for this process's life: a reconnect keeps the rooms it opened.
+            self.sock.setsockopt(zmq.ROUTING_ID, f"memsvc-prefill-{self.epoch}".encode())
+            make_client(self.sock, self.curve.client)
             self.sock.connect(self.peer_address)
         return [self.sock]
 
     def on_readable(self, sock: zmq.Socket) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                inbound = recv_bounded(sock, self.limit, keep=0, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity = frames.pop(0) if self.role == "decode" else None
+            if inbound.too_large is not None:  # read and dropped frame by frame
+                log.warning("dropped a transfer message: %s", inbound.too_large.message)
+                continue
+            raw = inbound.frames
+            peer = None
+            if self.role == "decode":
+                if len(raw) < 2:
+                    continue  # a routing id and no message
+                peer = (raw.pop(0).bytes, peer_key(raw[0]))
+            frames = [frame.bytes for frame in raw]
             try:
                 header = msgpack.unpackb(frames[0], raw=False)
                 if not isinstance(header, dict):
                     raise ValueError("header is not a map")
-                self._on_peer(identity, header, frames[1:])
+                self._on_peer(peer, header, frames[1:])
             except Exception as exc:  # garbage from a peer: drop it, keep serving
                 log.warning("dropped a malformed transfer message: %s", exc)
 
@@ -184,7 +233,7 @@ class TransferAgent:
         wake = 0.25
         if self.role == "prefill":
             if now >= self.next_hello:
-                self.sock.send_multipart(pack_frames({"t": "hello"}))
+                self._to_decode(pack_frames({"t": "hello"}))
                 self.next_hello = now + HELLO_INTERVAL_S
             for room in list(self.rooms.values()):
                 wake = min(wake, self._advance_send(room, now))
@@ -212,6 +261,12 @@ class TransferAgent:
         if room_id in self.rooms:
             raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
         req = self.pool.request(rid)
+        if req.protected_len:
+            # The peer writes every page of the room: tree pages are other requests' KV.
+            raise InvalidArgumentError(
+                f"{rid!r} holds a {req.protected_len}-token cached prefix; a room receives "
+                "only into the request's own pages"
+            )
         slots = self.pool.slots(rid, 0, req.kv_len)
         pages = aligned_pages(slots, self.page_size)
         if pages is None or req.kv_len == 0:
@@ -221,17 +276,20 @@ class TransferAgent:
             room_id, rid, pages, req.kv_len, KVPoll.WAITING_FOR_INPUT, created=now
         )
 
-    def _on_peer(self, identity: bytes | None, header: dict, payload: list[bytes]) -> None:
+    def _on_peer(self, peer: Peer | None, header: dict, payload: list[bytes]) -> None:
         kind = header.get("t")
         if self.role == "prefill":
             self._on_decode_reply(kind, header)
             return
         self.last_peer_seen = time.monotonic()
         room = self.rooms.get(header.get("room"))
+        identity = peer[0]
         if kind == "hello":
             return
         if kind == "query":
-            self._answer_query(identity, room, header)
+            self._answer_query(peer, room, header)
+        elif room is not None and room.peer != peer and (kind, room.peer) != ("abort", None):
+            self._refuse(peer, room, kind)
         elif kind == "data":
             self._receive_data(room, int(header["start"]), payload)
         elif kind == "done":
@@ -250,12 +308,23 @@ class TransferAgent:
         elif kind == "abort" and room is not None:
             self._finish(room, f"prefill side gave up: {header.get('why', '')}")
 
-    def _answer_query(self, identity: bytes, room: Room | None, header: dict) -> None:
+    def _refuse(self, peer: Peer, room: Room, kind: str | None) -> None:
+        """``data`` / ``done`` / ``abort`` for ``room`` from a peer that did not open it."""
+        why = f"room {room.room} is bound to another transfer peer"
+        log.warning("refused %s for room %d from a peer that did not open it", kind, room.room)
+        if kind == "done":
+            reply = {"t": "ack", "room": room.room, "ok": False, "why": why}
+            self.sock.send_multipart([peer[0], *pack_frames(reply)])
+
+    def _answer_query(self, peer: Peer, room: Room | None, header: dict) -> None:
         room_id = header.get("room")
         if room is None:
             reply = {"t": "not_ready", "room": room_id}
         elif room.state is KVPoll.FAILED:
             reply = {"t": "failed", "room": room_id, "why": room.why}
+        elif room.peer is not None and room.peer[1] != peer[1]:
+            # Opened under another key: this peer learns nothing and changes nothing.
+            reply = {"t": "failed", "room": room_id, "why": "bound to another transfer peer"}
         elif room.state is KVPoll.SUCCESS and room.rid == header.get("rid"):
             # A second sender for a room that already has its KV (a re-sent prefill):
             # nothing to write, and the room must not be reopened.
@@ -268,7 +337,7 @@ class TransferAgent:
             self._finish(room, reason)
             reply = {"t": "failed", "room": room_id, "why": reason}
         else:
-            room.state = KVPoll.TRANSFERRING
+            room.state, room.peer = KVPoll.TRANSFERRING, peer
             reply = {
                 "t": "ready",
                 "room": room_id,
@@ -278,7 +347,7 @@ class TransferAgent:
                 "geometry": page_geometry(self.pool),
                 "mover": self.mover.describe(),
             }
-        self.sock.send_multipart([identity, *pack_frames(reply)])
+        self.sock.send_multipart([peer[0], *pack_frames(reply)])
 
     def _receive_data(self, room: Room | None, start: int, payload: list[bytes]) -> None:
         if room is None or room.state is not KVPoll.TRANSFERRING or len(payload) != 1:
@@ -343,9 +412,7 @@ class TransferAgent:
         self._query(room, now)
 
     def _query(self, room: Room, now: float) -> None:
-        self.sock.send_multipart(
-            pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid})
-        )
+        self._to_decode(pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid}))
         room.next_query = now + room.query_wait
         room.query_wait = min(room.query_wait * 2, QUERY_RETRY_S[1])
 
@@ -422,7 +489,7 @@ class TransferAgent:
 
     def _send_done(self, room: Room, now: float) -> None:
         room.waiting_since = now
-        self.sock.send_multipart(
+        self._to_decode(
             pack_frames(
                 {
                     "t": "done",
@@ -435,8 +502,17 @@ class TransferAgent:
             )
         )
 
+    def _to_decode(self, frames: list) -> None:
+        """Send to the decode node without ever blocking memsvc's socket thread.
+
+        A listener whose CURVE refused this memsvc leaves nowhere to queue (see
+        :func:`memsvc.rpc.send_or_drop`); what is dropped is sent again (hello,
+        query) or ends in the room's timeouts.
+        """
+        send_or_drop(self.sock, frames)
+
     def _abort_send(self, room: Room, why: str) -> None:
-        self.sock.send_multipart(pack_frames({"t": "abort", "room": room.room, "why": why}))
+        self._to_decode(pack_frames({"t": "abort", "room": room.room, "why": why}))
         self._finish(room, why)
 
     # -- both ----------------------------------------------------------------------
@@ -449,7 +525,7 @@ class TransferAgent:
                 continue
             if room.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
                 if self.role == "prefill":
-                    self.sock.send_multipart(
+                    self._to_decode(
                         pack_frames({"t": "abort", "room": room_id, "why": "cancelled"})
                     )
                 self.counters["failed"] += 1

@@ -12,6 +12,7 @@ import sys
 from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import MemClient
 from memsvc.core.errors import MemsvcError
+from memsvc.curve import add_curve_arguments, curve_from_args
 from memsvc.server import ServiceShell, check_listen_address, default_listen_address
 from model_svc.errors import ModelSvcError
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     add_service_args(parser, ready_fields="address, epoch, pid, pool_epoch")
+    add_curve_arguments(parser, connects_to="memsvc (--memsvc)")
     return parser
 
 
@@ -94,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listen = args.listen or default_listen_address("model_svc")
         check_listen_address(listen, allow_remote=args.allow_remote)
+        curve = curve_from_args(args)
         checkpoint = args.checkpoint or default_checkpoint()
         model = LlamaModel.from_checkpoint(
             checkpoint, dtype=getattr(torch, args.dtype), device=args.device
         )
-        mem = MemClient(args.memsvc, role="worker", name="model_svc")
+        mem = MemClient(args.memsvc, role="worker", name="model_svc", curve=curve.client)
 
         def attach_pool() -> AttachedPool:
             """The current pool: say hello again when memsvc has restarted."""
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             "model_svc",
             service.handle,
             listen,
+            reject=service.reject,
+            curve=curve.server,
             ready_file=args.ready_file,
             ready_info={"epoch": service.epoch, "pool_epoch": service.pool.epoch},
         )

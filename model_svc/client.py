@@ -2,7 +2,8 @@
 
 Both retry a forward call with the same ``op_id`` on a timeout (forward
 passes are idempotent) and raise :class:`memsvc.client.PeerDeadError` when
-the worker stays silent, never hanging.
+the worker stays silent, never hanging. ``curve``: the keys for a worker that
+serves with CURVE (one that does not accept them never answers).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zmq.asyncio
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import PeerDeadError
+from memsvc.curve import CurveClientKeys
 from model_svc.errors import ModelSvcError
 from model_svc.protocol import SamplingSpec
 
@@ -97,10 +99,17 @@ def _result(header: dict[str, Any]) -> Any:
 
 
 class ModelClient(_Ops):
-    def __init__(self, address: str, *, timeout_s: float = 60.0, retries: int = 1) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        retries: int = 1,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self._ctx = zmq.Context()
-        self._sock = rpc.dealer(self._ctx, address)
+        self._sock = rpc.dealer(self._ctx, address, curve)
         self._op_ids = itertools.count(1)
 
     def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
@@ -124,10 +133,17 @@ class ModelClient(_Ops):
 
 
 class AsyncModelClient(_Ops):
-    def __init__(self, address: str, *, timeout_s: float = 60.0, retries: int = 1) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 60.0,
+        retries: int = 1,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
         self._ctx = zmq.asyncio.Context()
-        self._sock = rpc.dealer(self._ctx, address)
+        self._sock = rpc.dealer(self._ctx, address, curve)
         self._op_ids = itertools.count(1)
         self._lock = asyncio.Lock()
 

@@ -86,6 +86,10 @@ class ModelService:
             log.exception("internal error")
             return self._error(op_id, "internal", f"{type(exc).__name__}: {exc}")
 
+    def reject(self, frames: list[bytes], error: wire.ProtocolError) -> list[bytes]:
+        """The reply to a message the shell did not read whole (over the size limit)."""
+        return self._error(wire.best_effort_op_id(frames), error.code, error.message)
+
     def _error(self, op_id: int | None, code: str, message: str) -> list[bytes]:
         header = {
             "ok": False,

@@ -11,6 +11,7 @@ from typing import Any
 from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
+from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.core.config import RETRACTION_POLICIES
@@ -170,10 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
         "dead predecessor left, so memsvc reclaims that KV at once",
     )
     add_service_args(parser, ready_fields="address, pid, metrics_port")
+    add_curve_arguments(parser, connects_to="memsvc (--memsvc) and model_svc (--worker)")
     return parser
 
 
-async def serve(args: argparse.Namespace, listen: str) -> int:
+async def serve(args: argparse.Namespace, listen: str, curve: CurveKeys) -> int:
     from model_svc.config import ModelConfig
     from model_svc.tokenizer import ByteTokenizer, load_tokenizer
     from scheduler_svc.engine import Engine
@@ -190,6 +192,7 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             name="scheduler_svc",
             lease_s=args.memsvc_lease,
             timeout_s=args.memsvc_timeout,
+            curve=curve.client,
         )
 
     mem = await connect_mem()
@@ -197,7 +200,10 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
     metrics_server = None
     metrics_port = None
     model = ResilientModelClient(
-        args.worker, timeout_s=args.worker_timeout, recovery_timeout_s=args.recovery_timeout
+        args.worker,
+        timeout_s=args.worker_timeout,
+        recovery_timeout_s=args.recovery_timeout,
+        curve=curve.client,
     )
     try:
         layout = mem.layout
@@ -239,6 +245,7 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             args.memsvc,
             recovery_timeout_s=args.recovery_timeout,
             session_file=args.memsvc_session_file,
+            curve=curve.client,
         )
         await recovery.adopt_session()
         if args.metrics_port is not None:
@@ -262,6 +269,7 @@ async def serve(args: argparse.Namespace, listen: str) -> int:
             ready_info={"metrics_port": metrics_port},
             recovery=recovery,
             mode=args.mode,
+            curve=curve.server,
         )
         await service.run()
         return 0
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listen = args.listen or default_listen_address("scheduler_svc")
         check_listen_address(listen, allow_remote=args.allow_remote)
-        return asyncio.run(serve(args, listen))
+        return asyncio.run(serve(args, listen, curve_from_args(args)))
     except (ConfigError, MemsvcError, PeerDeadError) as exc:
         print(f"scheduler_svc: error: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,14 @@ delivered twice: a re-submitted stream starts again at offset 0 and the
 client drops what it already gave out. When every re-submission fails,
 :class:`SchedulerLostError` (a :class:`GenerateError` and a
 :class:`memsvc.client.PeerDeadError`) names the faults; it never hangs.
+
+``curve``: the keys for a scheduler (or router) that serves with CURVE; one
+that does not accept them never answers, which ends the same way.
+
+Each client has a ``client_id`` (random unless given) that it sends with every
+``generate`` and ``abort``: the scheduler lets only the client that submitted a
+rid re-submit it or abort it. Keep it (pass it to the next client) to take a
+request over from a new process.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +41,7 @@ import zmq.asyncio
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import PeerDeadError
+from memsvc.curve import CurveClientKeys
 from scheduler_svc.protocol import GenSampling
 
 
@@ -87,6 +97,7 @@ class GenerateResult:
 
 
 def _request(
+    client: str,
     op_id: int,
     input_ids: Sequence[int] | np.ndarray | None,
     text: str | None,
@@ -100,6 +111,7 @@ def _request(
         "op": "generate",
         "op_id": op_id,
         "rid": rid,
+        "client": client,
         "stream": stream,
         "sampling": GenSampling.model_validate(sampling or {}).model_dump(),
         "priority": priority,
@@ -142,6 +154,17 @@ def _drain(monitor: zmq.Socket) -> None:
             return
 
 
+def _found(reply: dict[str, Any]) -> bool:
+    """An abort's answer: whether the rid was live; an error reply raises."""
+    if not reply.get("ok"):
+        raise GenerateError(
+            reply.get("code", "internal"),
+            reply.get("message", ""),
+            int(reply.get("status_code", 400)),
+        )
+    return bool(reply.get("found"))
+
+
 def _decode(header: dict[str, Any]) -> Chunk | GenerateResult:
     if not header.get("ok"):
         raise GenerateError(
@@ -158,11 +181,19 @@ def _decode(header: dict[str, Any]) -> Chunk | GenerateResult:
 
 class GenerateClient:
     def __init__(
-        self, address: str, *, timeout_s: float = 120.0, resubmits: int = DEFAULT_RESUBMITS
+        self,
+        address: str,
+        *,
+        timeout_s: float = 120.0,
+        resubmits: int = DEFAULT_RESUBMITS,
+        curve: CurveClientKeys | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.address, self.timeout_s, self.resubmits = address, timeout_s, resubmits
+        self.client_id = client_id or secrets.token_hex(16)  # who owns the rids it submits
+        self.curve = curve
         self._ctx = zmq.Context()
-        self._sock = rpc.dealer(self._ctx, address)
+        self._sock = rpc.dealer(self._ctx, address, curve)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._op_ids = itertools.count(1)
 
@@ -186,9 +217,11 @@ class GenerateClient:
         faults: list[str] = []
         while True:
             op_id = next(self._op_ids)
-            _, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
+            _, frames = _request(
+                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority
+            )
             _drain(self._monitor)
-            self._sock.send_multipart(frames)
+            rpc.send_or_drop(self._sock, frames)  # dropped (CURVE refused us): a silent try
             try:
                 yield from self._try(op_id, rid, delivered)
                 return
@@ -222,13 +255,14 @@ class GenerateClient:
                 return
 
     def abort(self, rid: str) -> bool:
-        """Abort ``rid``; True if it was still running or waiting."""
-        ctx_sock = rpc.dealer(self._ctx, self.address)
+        """Abort ``rid``; True if it was still running or waiting. Another client's rid
+        raises :class:`GenerateError` (``not_owner``)."""
+        ctx_sock = rpc.dealer(self._ctx, self.address, self.curve)
         try:
             op_id = next(self._op_ids)
             reply = rpc.request(
                 ctx_sock,
-                wire.pack({"op": "abort", "op_id": op_id, "rid": rid}),
+                wire.pack({"op": "abort", "op_id": op_id, "rid": rid, "client": self.client_id}),
                 op_id,
                 min(self.timeout_s, 10.0),
                 1,
@@ -237,7 +271,7 @@ class GenerateClient:
             raise PeerDeadError(f"scheduler at {self.address}: {exc}") from None
         finally:
             ctx_sock.close(0)
-        return bool(reply.get("found"))
+        return _found(reply)
 
     def info(self) -> dict[str, Any]:
         op_id = next(self._op_ids)
@@ -270,11 +304,18 @@ class AsyncGenerateClient:
     """Many requests in flight on one socket; a reader task routes replies by op_id."""
 
     def __init__(
-        self, address: str, *, timeout_s: float = 120.0, resubmits: int = DEFAULT_RESUBMITS
+        self,
+        address: str,
+        *,
+        timeout_s: float = 120.0,
+        resubmits: int = DEFAULT_RESUBMITS,
+        curve: CurveClientKeys | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.address, self.timeout_s, self.resubmits = address, timeout_s, resubmits
+        self.client_id = client_id or secrets.token_hex(16)  # who owns the rids it submits
         self._ctx = zmq.asyncio.Context()
-        self._sock = rpc.dealer(self._ctx, address)
+        self._sock = rpc.dealer(self._ctx, address, curve)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._op_ids = itertools.count(1)
         self._inbox: dict[int, asyncio.Queue] = {}
@@ -329,7 +370,8 @@ class AsyncGenerateClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._inbox[op_id] = queue
         try:
-            await self._sock.send_multipart(frames)
+            with contextlib.suppress(zmq.Again):  # as rpc.send_or_drop: a silent try
+                await self._sock.send_multipart(frames, zmq.NOBLOCK)
             while True:
                 try:
                     header = await asyncio.wait_for(queue.get(), self.timeout_s)
@@ -347,7 +389,9 @@ class AsyncGenerateClient:
         faults: list[str] = []
         while True:
             op_id = next(self._op_ids)
-            _, frames = _request(op_id, input_ids, text, sampling, rid, stream, priority)
+            _, frames = _request(
+                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority
+            )
             replies = self._replies(op_id, frames)
             try:
                 async with contextlib.aclosing(replies):
@@ -367,7 +411,9 @@ class AsyncGenerateClient:
                 raise SchedulerLostError(self.address, rid, faults)
 
     async def abort(self, rid: str) -> bool:
-        return bool((await self._call({"op": "abort", "rid": rid})).get("found"))
+        """Abort ``rid``; True if it was still running or waiting. Another client's rid
+        raises :class:`GenerateError` (``not_owner``)."""
+        return _found(await self._call({"op": "abort", "rid": rid, "client": self.client_id}))
 
     async def info(self) -> dict[str, Any]:
         return await self._call({"op": "info"})

@@ -5,6 +5,12 @@ A client sends ``generate`` and gets, on the same ``op_id``, zero or more
 then exactly one ``done`` reply with the output and SGLang-shaped
 ``meta_info``. ``abort`` ends a request early: its ``done`` carries the
 partial output and an abort ``finish_reason``.
+
+A rid belongs to the ``client`` that submitted it: a random id the client
+makes once (:class:`scheduler_svc.client.GenerateClient` does) and sends with
+every ``generate`` and ``abort``, also after it reconnects. Only that client
+may re-submit a live rid (taking over its replies) or abort it; anyone who
+does not know the id cannot guess it.
 """
 
 from __future__ import annotations
@@ -14,10 +20,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from memsvc import protocol as wire
+from memsvc.limits import MessageLimit
 from memsvc.protocol import IntArray, Message
 from model_svc.protocol import Temperature, TopP
 
 MAX_PROMPT_TOKENS = 1 << 20
+# What a message to the scheduler (or the router) may hold: the largest generate is
+# MAX_PROMPT_TOKENS int64 ids (8 MiB) or as text (4 MiB of UTF-8), a header, and a
+# routing identity. A frame past 4 x 16 MiB drops its sender unread.
+MESSAGE_LIMIT = MessageLimit(max_bytes=16 << 20, max_frames=8)
 # What the wire (msgpack, int64 array frames) carries: a larger integer is refused where it
 # enters, not found unpackable later.
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
@@ -37,9 +48,13 @@ class GenSampling(BaseModel):
     seed: int = Field(default=0, ge=0, lt=2**63)
 
 
+ClientId = Annotated[str, Field(min_length=1, max_length=64)]
+
+
 class Generate(Message):
     op: Literal["generate"]
     rid: str = Field(min_length=1, max_length=256)
+    client: ClientId
     input_ids: IntArray | None = None
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
     sampling: GenSampling = Field(default_factory=GenSampling)
@@ -69,6 +84,7 @@ class Generate(Message):
 class Abort(Message):
     op: Literal["abort"]
     rid: str = Field(min_length=1, max_length=256)
+    client: ClientId
 
 
 class Info(Message):

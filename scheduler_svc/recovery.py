@@ -48,6 +48,7 @@ from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import AsyncMemClient, EpochChangedError, PeerDeadError, RequestRejectedError
 from memsvc.core.errors import MemsvcError
+from memsvc.curve import CurveClientKeys
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 from model_svc.client import ForwardError
 from scheduler_svc.core import Req, ReqState
@@ -165,10 +166,16 @@ def _report(engine: Any, req: Req) -> None:
     engine.emit(req, True)
 
 
-async def end_session(address: str, session: str, timeout_s: float = GOODBYE_TIMEOUT_S) -> bool:
+async def end_session(
+    address: str,
+    session: str,
+    timeout_s: float = GOODBYE_TIMEOUT_S,
+    *,
+    curve: CurveClientKeys | None = None,
+) -> bool:
     """Say goodbye for ``session`` (memsvc reclaims all it held); True if memsvc ended it."""
     ctx = zmq.asyncio.Context()
-    sock = rpc.dealer(ctx, address)
+    sock = rpc.dealer(ctx, address, curve)
     try:
         frames = wire.pack({"op": "goodbye", "op_id": 1, "session": session})
         reply = await rpc.request_async(sock, frames, 1, timeout_s, 1)
@@ -196,10 +203,12 @@ class Recovery:
         *,
         recovery_timeout_s: float = 120.0,
         session_file: str | os.PathLike | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.engine = engine
         self.connect_mem = connect_mem
         self.memsvc_address = memsvc_address
+        self.curve = curve  # for the goodbyes it sends memsvc itself
         self.recovery_timeout_s = recovery_timeout_s
         self.session_file = Path(session_file) if session_file else None
         self.stats = RecoveryStats()
@@ -215,7 +224,7 @@ class Recovery:
         with contextlib.suppress(OSError):
             old = self.session_file.read_text().strip()
             if old and old != self.engine.mem.session:
-                ended = await end_session(self.memsvc_address, old)
+                ended = await end_session(self.memsvc_address, old, curve=self.curve)
                 log.info("ended the previous scheduler's memsvc session: %s", ended)
         self._record_session()
 
@@ -312,7 +321,8 @@ class Recovery:
         if close is not None:
             await close(goodbye=False)
         if old_session is not None and fresh.epoch == old.epoch:
-            await end_session(self.memsvc_address, old_session)  # memsvc reclaims what it held
+            # memsvc reclaims what it held
+            await end_session(self.memsvc_address, old_session, curve=self.curve)
         self._record_session()
 
     async def reclaim(self) -> None:

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from memsvc.client import PeerDeadError
+from memsvc.curve import CurveClientKeys
 from model_svc.client import AsyncModelClient, ForwardError
 from model_svc.errors import ModelSvcError
 
@@ -54,8 +55,9 @@ class _Disconnected(Exception):
 class ResilientModelClient:
     """``extend`` / ``decode`` that outlive a worker restart (see the module docstring).
 
-    ``factory(timeout_s)`` builds the inner client (tests pass their own);
-    ``recovery_timeout_s`` bounds the wait for a worker to come back, per call.
+    ``factory(timeout_s)`` builds the inner client (tests pass their own; the
+    default one uses ``curve``); ``recovery_timeout_s`` bounds the wait for a
+    worker to come back, per call.
     """
 
     def __init__(
@@ -66,12 +68,13 @@ class ResilientModelClient:
         retries: int = 1,
         recovery_timeout_s: float = 120.0,
         factory: Callable[[float], AsyncModelClient] | None = None,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.recovery_timeout_s = recovery_timeout_s
         self._factory = factory or (
-            lambda t: AsyncModelClient(address, timeout_s=t, retries=retries)
+            lambda t: AsyncModelClient(address, timeout_s=t, retries=retries, curve=curve)
         )
         self._client = self._factory(timeout_s)
         self._monitor = _monitor(self._client)

@@ -16,7 +16,9 @@ cannot repair ends every live request, with an error that names it. A
 ``generate`` whose rid is still live (a client re-submitting after it lost
 its connection, or a duplicated message) attaches to the running request
 instead of starting it twice; one whose rid finished recently is answered
-from a small cache of results.
+from a small cache of results. Both, and ``abort``, only for the client that
+submitted the rid (the ``client`` id it sends, see :mod:`scheduler_svc.protocol`):
+another client's re-submission is ``duplicate_rid``, its abort ``not_owner``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from memsvc import protocol as wire
 from memsvc.cli import write_ready_file
 from memsvc.client import PeerDeadError
 from memsvc.core.errors import MemsvcError
+from memsvc.curve import CurveServerKeys, secure_server
+from memsvc.limits import recv_bounded_async
 from memsvc.server import remove_endpoint, serve_tasks
 from model_svc.errors import ModelSvcError
 from scheduler_svc import protocol as p
@@ -68,6 +72,7 @@ class Waiter:
     started: float
     sent: int = 0  # output tokens already streamed
     fingerprint: str = ""  # input + sampling: a re-submission must match it
+    client: str = ""  # the client that owns the rid: only it may re-submit or abort it
 
 
 class SchedulerService:
@@ -85,9 +90,11 @@ class SchedulerService:
         ready_info: dict[str, Any] | None = None,
         recovery: Recovery | None = None,
         mode: str = "normal",
+        curve: CurveServerKeys | None = None,
     ) -> None:
         self.engine = engine
         self.mode = mode
+        self.curve = curve
         self.recovery = recovery or Recovery(engine, None)
         self.ready_info = ready_info or {}
         self.listen = listen
@@ -98,8 +105,8 @@ class SchedulerService:
         self.vocab_size = vocab_size
         self.ready_file = ready_file
         self._waiters: dict[str, Waiter] = {}
-        # rid -> (fingerprint, done reply without op_id), most recent last
-        self._finished: OrderedDict[str, tuple[str, dict[str, Any]]] = OrderedDict()
+        # rid -> (client, fingerprint, done reply without op_id), most recent last
+        self._finished: OrderedDict[str, tuple[str, str, dict[str, Any]]] = OrderedDict()
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -112,18 +119,23 @@ class SchedulerService:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        p.MESSAGE_LIMIT.apply(sock)
+        auth = None
 
         def announce() -> None:
             write_ready_file(self.ready_file, self.listen, **self.ready_info)
             print(f"scheduler_svc listening on {self.listen}", flush=True)
 
         try:
+            auth = secure_server(ctx, sock, self.curve)
             sock.bind(self.listen)
             await serve_tasks(
                 [self._intake(sock), self._send(sock), self._loop()], self._stop, announce
             )
         finally:
             sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             remove_endpoint(self.listen, self.ready_file)
             log.info("scheduler_svc stopped")
@@ -132,12 +144,14 @@ class SchedulerService:
 
     async def _intake(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
-            if len(frames) < 2:
+            inbound = await recv_bounded_async(sock, p.MESSAGE_LIMIT, keep=2)
+            if len(inbound.frames) < 2:
                 continue
-            identity, payload = frames[0], frames[1:]
+            identity, payload = inbound.frames[0], inbound.frames[1:]
             op_id = None
             try:
+                if inbound.too_large is not None:
+                    raise inbound.too_large  # only its header was kept
                 msg = p.parse_request(payload)
                 op_id = msg.op_id
                 reply = self._accept(identity, msg)
@@ -196,6 +210,10 @@ class SchedulerService:
         if msg.op == "info":
             return wire.pack({"ok": True, "op_id": msg.op_id, **self.info()})
         if msg.op == "abort":
+            waiter = self._waiters.get(msg.rid)
+            if waiter is not None and waiter.client != msg.client:
+                message = f"request {msg.rid!r} belongs to another client"
+                return _error(msg.op_id, "not_owner", message, 403)
             found = self.engine.abort(msg.rid)
             return wire.pack({"ok": True, "op_id": msg.op_id, "found": found})
         if msg.input_ids is not None:
@@ -213,8 +231,8 @@ class SchedulerService:
         if msg.rid in self._waiters:
             return self._attach(identity, msg, self._waiters[msg.rid], fingerprint)
         cached = self._finished.get(msg.rid)
-        if cached is not None and cached[0] == fingerprint:
-            return wire.pack({**cached[1], "op_id": msg.op_id})
+        if cached is not None and cached[:2] == (msg.client, fingerprint):
+            return wire.pack({**cached[2], "op_id": msg.op_id})
         if any(not 0 <= t < self.vocab_size for t in input_ids):
             return _error(
                 msg.op_id, "bad_request", f"token ids must be in 0..{self.vocab_size - 1}", 400
@@ -251,7 +269,12 @@ class SchedulerService:
             bootstrap_rid=msg.bootstrap_rid,
         )
         self._waiters[msg.rid] = Waiter(
-            identity, msg.op_id, msg.stream, time.monotonic(), fingerprint=fingerprint
+            identity,
+            msg.op_id,
+            msg.stream,
+            time.monotonic(),
+            fingerprint=fingerprint,
+            client=msg.client,
         )
         if max_new == 0:  # nothing to generate: done at once
             self._waiters.pop(msg.rid)
@@ -275,11 +298,14 @@ class SchedulerService:
     def _attach(
         self, identity: bytes, msg: Any, waiter: Waiter, fingerprint: str
     ) -> list[bytes] | None:
-        """A live rid again: the same request re-submitted takes over its replies.
+        """A live rid again: the same request re-submitted by its client takes over its replies.
 
         The stream restarts at offset 0 (the client drops what it already has);
         the same message twice (same sender and op_id) changes nothing.
         """
+        if waiter.client != msg.client:
+            message = f"request {msg.rid!r} is already running for another client"
+            return _error(msg.op_id, "duplicate_rid", message, 400)
         if waiter.fingerprint != fingerprint:
             return _error(
                 msg.op_id, "duplicate_rid", f"request {msg.rid!r} is already running", 400
@@ -328,7 +354,7 @@ class SchedulerService:
             "meta_info": _meta(req, time.monotonic() - waiter.started),
         }
         self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
-        self._finished[req.rid] = (waiter.fingerprint, {k: v for k, v in header.items()})
+        self._finished[req.rid] = (waiter.client, waiter.fingerprint, dict(header))
         self._finished.move_to_end(req.rid)
         while len(self._finished) > FINISHED_CACHE_SIZE:
             self._finished.popitem(last=False)

@@ -34,6 +34,7 @@ from kvstack.serve.api import (
     sse,
 )
 from memsvc.client import PeerDeadError
+from memsvc.curve import CurveClientKeys
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateError, GenerateResult
 
 log = logging.getLogger("kvstack.http")
@@ -50,6 +51,7 @@ class Backend:
     metrics: dict[str, str] = field(default_factory=dict)  # service name -> /metrics URL
     checkpoint: Path | None = None  # None: the byte tokenizer (the scheduler's default)
     pids: dict[str, int] = field(default_factory=dict)  # started services, by name
+    curve: CurveClientKeys | None = None  # the scheduler's CURVE, if it has it on
 
 
 # -- the HTTP front ---------------------------------------------------------------------------
@@ -98,12 +100,16 @@ class HttpFront:
 
     async def _open(self, app: web.Application) -> None:
         # Generate replies can be silent for a whole generation (non-streaming): a long
-        # timeout. info and abort are quick, and /health must say 503 quickly.
+        # timeout. info and abort are quick, and /health must say 503 quickly. One client
+        # id for both: the scheduler lets only the client that submitted a rid abort it.
         self._generate = AsyncGenerateClient(
-            self.backend.scheduler, timeout_s=self.request_timeout_s
+            self.backend.scheduler, timeout_s=self.request_timeout_s, curve=self.backend.curve
         )
         self._control = AsyncGenerateClient(
-            self.backend.scheduler, timeout_s=self.control_timeout_s
+            self.backend.scheduler,
+            timeout_s=self.control_timeout_s,
+            curve=self.backend.curve,
+            client_id=self._generate.client_id,
         )
         self._http = ClientSession(timeout=ClientTimeout(total=SCRAPE_TIMEOUT_S))
 
@@ -258,6 +264,8 @@ class HttpFront:
             await self._control.abort(rid)
         except PeerDeadError:
             log.warning("could not abort %s: the scheduler does not answer", rid)
+        except GenerateError as exc:
+            log.warning("could not abort %s: %s", rid, exc)
 
     # -- the rest -------------------------------------------------------------------------
 
@@ -299,6 +307,8 @@ class HttpFront:
                     found.append(rid)
         except PeerDeadError as exc:
             raise ApiError(503, "scheduler_unavailable", str(exc)) from None
+        except GenerateError as exc:  # a rid another client of the scheduler submitted
+            raise ApiError(exc.status_code, exc.code, str(exc)) from None
         if body.abort_all:
             return web.json_response({"aborted": found})
         return web.json_response({"rid": body.rid, "found": bool(found)})

@@ -15,6 +15,10 @@ per process). Endpoints, as SGLang names them:
   merged into one exposition (one HELP/TYPE per family, a ``service`` label
   telling the sources apart), so that it parses.
 
+With ``--curve-dir DIR`` every ZMQ socket has CURVE on (README "Security"): the
+stack started serves and connects with DIR's keys, and the front connects with
+its client keys (also when fronting with ``--scheduler``).
+
 Bad requests get a 4xx answer ``{"error": {"message", "code"}}`` at once:
 the body is validated here (strictly, unknown fields refused) and the
 scheduler's intake rejections (a prompt that can never fit, ids out of the
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -51,6 +56,8 @@ from kvstack.stack.model_args import (
     stack_model,
 )
 from memsvc.cli import LOG_FORMAT, write_ready_file
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.curve import KeyFolder
 
 log = logging.getLogger("kvstack.http")
 
@@ -247,6 +254,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[NAME=]URL",
         help="with --scheduler: a service's /metrics to include in ours (repeatable)",
     )
+    stack.add_argument(
+        "--curve-dir",
+        default=None,
+        metavar="DIR",
+        help="CURVE on every ZMQ socket, with the keys in DIR (README: Security): the stack "
+        "started serves and connects with them (created in DIR if it holds none); with "
+        "--scheduler, the front connects with DIR's client keys",
+    )
     add_model_arguments(parser, default_model=TINY)
 
     pool = parser.add_argument_group("pool and scheduling (default: the services' own)")
@@ -274,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     signals.install()  # a signal while the stack starts stops it once it is up
     try:
         with contextlib.ExitStack() as exits:
+            curve = _curve_keys(args)
             if args.scheduler:
                 backend = _fronted(args)
             else:
@@ -282,13 +298,15 @@ def run(args: argparse.Namespace) -> int:
                 from model_svc.errors import CheckpointError
 
                 workdir = exits.enter_context(tempfile.TemporaryDirectory(prefix="kvstack-serve-"))
-                launcher = Launcher(workdir)
+                launcher = Launcher(workdir, curve=curve)
                 exits.callback(_report_leaks, launcher)  # runs once the launcher has stopped all
                 exits.enter_context(launcher)
                 try:
                     backend = start_stack(launcher, args.mode, args)
                 except (LaunchError, PoolMismatchError, CheckpointError) as exc:
                     raise ServeError(str(exc)) from None
+            if curve is not None:
+                backend = dataclasses.replace(backend, curve=curve.client_keys())
             if signals.received is not None:
                 log.info("signal %d while starting: stopping", signals.received)
                 return 0
@@ -308,6 +326,18 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"kvstack serve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _curve_keys(args: argparse.Namespace) -> KeyFolder | None:
+    """``--curve-dir``'s keys: created if absent for a stack we start, required when fronting."""
+    if not args.curve_dir:
+        return None
+    try:
+        if args.scheduler:
+            return KeyFolder.existing(args.curve_dir)
+        return KeyFolder.ensure(args.curve_dir)
+    except InvalidArgumentError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def _report_leaks(launcher: Any) -> None:

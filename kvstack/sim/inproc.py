@@ -30,7 +30,9 @@ TINY_KV_DIMS: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 
 class InProcessMem(_Client):
     def __init__(self, service: MemService, name: str = "scheduler") -> None:
         self._service = service
-        self._state = _Session("inproc://memsvc", "scheduler", name, 3600.0, 1.0, 0, None)
+        # Nothing expires leases in process (no reaper runs): the longest memsvc takes.
+        lease_s = ServiceConfig.max_lease_s
+        self._state = _Session("inproc://memsvc", "scheduler", name, lease_s, 1.0, 0, None)
 
     @classmethod
     async def connect(

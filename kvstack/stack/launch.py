@@ -25,6 +25,7 @@ from typing import Any
 
 from kvstack.stack.model_pool import pool_layout_args, worker_threads
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from memsvc.curve import KeyFolder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,16 +120,23 @@ class Launcher:
     """Starts services in ``workdir``; ``with Launcher(dir) as up: up.start(...)``.
 
     ``stop_timeout``: seconds each service gets after SIGTERM before SIGKILL.
+    ``curve``: every service it starts serves and connects with these keys
+    (CURVE on every socket); its clients need ``curve.client_keys()``.
     """
 
-    def __init__(self, workdir: str | Path, *, stop_timeout: float = 30) -> None:
+    def __init__(
+        self, workdir: str | Path, *, stop_timeout: float = 30, curve: KeyFolder | None = None
+    ) -> None:
         self.workdir = Path(workdir)
         self.stop_timeout = stop_timeout
+        self.curve = curve
         self.services: list[Service] = []
         # Every segment a service stopped by :meth:`stop_all` left (unlinked).
         self.leaked_segments: list[str] = []
 
     def start(self, module: str, *args: str, **kwargs: Any) -> Service:
+        if self.curve is not None:  # every kvstack service takes the four flags
+            args = (*args, *self.curve.service_args())
         service = start_service(self.workdir, module, *args, **kwargs)
         self.services.append(service)
         return service

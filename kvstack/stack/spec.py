@@ -14,11 +14,12 @@ router, the other memsvc, the workers) reconnect by themselves.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvstack.stack.model_pool import PoolMismatchError, pool_layout_args, worker_threads
+from memsvc.curve import KeyFolder
 
 MAX_IPC_PATH = 100  # sun_path holds 108 bytes; keep a margin
 
@@ -57,6 +58,8 @@ class StackOptions:
     ``scheduler-p`` for the router's in PD mode. ``memsvc_args`` and
     ``scheduler_args`` go to both nodes in PD mode; the ``decode_*`` ones are
     added on the decode node only (and win). ``env`` goes to the scheduler(s).
+    ``curve``: every process serves and connects with these keys (CURVE on
+    every socket, the PD transfer socket included).
     """
 
     checkpoint: str | None = None
@@ -72,6 +75,7 @@ class StackOptions:
     router_args: list[str] = field(default_factory=list)
     transfer_backend: str = "auto"
     transfer_timeout: float | None = None
+    curve: KeyFolder | None = None
 
 
 def ipc_path(run_dir: Path, name: str) -> Path:
@@ -258,6 +262,10 @@ def build_process_list(mode: str, run_dir: Path, options: StackOptions) -> list[
     if mode not in builders:
         raise StackUnavailableError(f"unknown stack mode {mode!r}")
     try:
-        return builders[mode](run_dir, options)
+        specs = builders[mode](run_dir, options)
     except (PoolMismatchError, CheckpointError) as exc:
         raise StackUnavailableError(str(exc)) from None
+    if options.curve is None:
+        return specs
+    curve = tuple(options.curve.service_args())  # every service takes all four flags
+    return [replace(spec, command=(*spec.command, *curve)) for spec in specs]

@@ -27,6 +27,8 @@ from kvstack.stack.model_args import (
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.curve import KeyFolder
 
 log = logging.getLogger("kvstack.supervisor")
 
@@ -75,6 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "$XDG_RUNTIME_DIR or /tmp)",
     )
     add_model_arguments(parser, default_model=TINY)
+    parser.add_argument(
+        "--curve-dir",
+        default=None,
+        metavar="DIR",
+        help="CURVE on every socket of the stack (the PD transfer socket too), with the keys "
+        "in DIR: created there (zmq.auth certificates, private) if DIR holds none "
+        "(README: Security)",
+    )
     pool = parser.add_argument_group("memsvc pool")
     pool.add_argument(
         "--max-running-requests", type=int, default=None, help="requests holding KV at once"
@@ -144,6 +154,10 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         model = stack_model(args, say=say_on_stderr("kvstack up"))
     except (ModelArgsError, CheckpointError) as exc:
         raise StackUnavailableError(str(exc)) from None
+    try:
+        curve = KeyFolder.ensure(args.curve_dir) if args.curve_dir else None
+    except InvalidArgumentError as exc:
+        raise StackUnavailableError(str(exc)) from None
     pool = list(model.memsvc_args)
     if args.max_running_requests is not None:
         pool += ["--max-running-requests", str(args.max_running_requests)]
@@ -155,6 +169,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         router_args=list(args.router_arg),
         transfer_backend=args.transfer_backend,
         transfer_timeout=args.transfer_timeout,
+        curve=curve,
     )
 
 
@@ -162,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
         run_dir = prepare_run_dir(args.run_dir)
-        specs = build_process_list(args.mode, run_dir, options_from_args(args))
+        options = options_from_args(args)
+        specs = build_process_list(args.mode, run_dir, options)
     except StackUnavailableError as exc:
         print(f"kvstack up: error: {exc}", file=sys.stderr)
         return 2
@@ -180,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         health_interval_s=args.health_interval,
         new_session=True,
         die_with_parent=True,
+        curve=options.curve,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -192,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         print(
             f"kvstack up: {args.mode} stack running in {run_dir}; generate API at "
-            f"{supervisor.address(specs[-1].name)}; `kvstack status --run-dir {run_dir}`",
+            f"{supervisor.address(specs[-1].name)}"
+            f"{f' (CURVE, keys in {options.curve.path})' if options.curve else ''}; "
+            f"`kvstack status --run-dir {run_dir}`",
             flush=True,
         )
         supervisor.serve(stop)

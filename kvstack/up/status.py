@@ -18,6 +18,8 @@ from typing import Any
 from kvstack.up.cli import pid_alive
 from kvstack.up.health import check
 from kvstack.up.supervisor import STATE_FILE
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.curve import KeyFolder
 
 EXIT_UNHEALTHY = 1
 EXIT_NO_STACK = 2
@@ -32,15 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def inspect(run_dir: Path, timeout_s: float) -> dict[str, Any]:
-    """The state file's view, with liveness and health checked now."""
+    """The state file's view, with liveness and health checked now.
+
+    A stack with CURVE on is pinged with the client keys in its ``curve_dir``.
+    """
     state = json.loads((run_dir / STATE_FILE).read_text())
+    curve_dir = state.get("curve_dir")
+    curve = KeyFolder(Path(curve_dir)).client_keys() if curve_dir else None
     supervisor_pid = state.get("supervisor_pid")
     state["supervisor_alive"] = bool(supervisor_pid) and pid_alive(supervisor_pid)
     for proc in state["processes"]:
         pid = proc.get("pid")
         proc["alive"] = bool(pid) and pid_alive(pid)
         if proc["alive"]:
-            proc["healthy"], proc["health"] = check(proc["kind"], proc["address"], timeout_s)
+            proc["healthy"], proc["health"] = check(proc["kind"], proc["address"], timeout_s, curve)
         else:
             proc["healthy"], proc["health"] = False, f"not running ({proc.get('state')})"
     state["healthy"] = state["supervisor_alive"] and all(p["healthy"] for p in state["processes"])
@@ -69,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     try:
         state = inspect(run_dir, args.timeout)
+    except InvalidArgumentError as exc:  # the stack's CURVE keys cannot be read
+        print(f"kvstack status: error: {exc}", file=sys.stderr)
+        return EXIT_NO_STACK
     except (OSError, ValueError, KeyError) as exc:
         print(f"kvstack status: no supervised stack in {run_dir}: {exc}", file=sys.stderr)
         return EXIT_NO_STACK

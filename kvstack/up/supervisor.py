@@ -37,6 +37,7 @@ from typing import Any
 from kvstack.stack.launch import REPO, remove_segments
 from kvstack.stack.spec import ProcessSpec
 from kvstack.up.health import check
+from memsvc.curve import KeyFolder
 
 log = logging.getLogger("kvstack.supervisor")
 
@@ -107,7 +108,9 @@ class Supervisor:
     ``new_session``: children get their own session (a terminal's Ctrl-C
     reaches only the supervisor, which stops them in order);
     ``die_with_parent``: children get SIGTERM if the supervisor dies (Linux;
-    only for a supervisor that spawns from its main thread).
+    only for a supervisor that spawns from its main thread). ``curve``: the
+    stack's keys when its sockets have CURVE on (the health checks use its
+    client keys; the state file names its folder for ``kvstack status``).
     """
 
     def __init__(
@@ -122,8 +125,11 @@ class Supervisor:
         stop_timeout_s: float = 30.0,
         new_session: bool = False,
         die_with_parent: bool = False,
+        curve: KeyFolder | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.curve = curve
+        self._client_keys = curve.client_keys() if curve is not None else None
         self.mode = mode
         self.policy = policy or RestartPolicy()
         self.health_timeout_s = health_timeout_s
@@ -167,6 +173,7 @@ class Supervisor:
                 "run_dir": str(self.run_dir),
                 "status": self.status,
                 "supervisor_pid": os.getpid(),
+                "curve_dir": str(self.curve.path) if self.curve is not None else None,
                 "updated": time.time(),
                 "processes": [m.as_dict() for m in self.procs],
             }
@@ -308,7 +315,9 @@ class Supervisor:
             return {m.spec.name: m.healthy for m in self.procs}
 
     def _probe(self, managed: Managed) -> None:
-        healthy, detail = check(managed.spec.kind, managed.spec.address, self.health_timeout_s)
+        healthy, detail = check(
+            managed.spec.kind, managed.spec.address, self.health_timeout_s, self._client_keys
+        )
         with self._lock:
             if managed.state == "running":
                 managed.healthy, managed.health = healthy, "ok: " + detail if healthy else detail

@@ -9,7 +9,9 @@ recently used first by a logical clock, so the order is deterministic.
 
 Ownership: ``insert`` takes the slots of the new part of the key and never
 frees; the caller frees its duplicates of the part already cached. Only
-``evict`` and the ``cache_*_req`` hand-backs free slots. A call that raises
+``evict`` and the ``cache_*_req`` hand-backs free slots. A hand-back that
+inserts must give the locked path's own tokens for the protected prefix (the
+tree's slots are filed under no other key). A call that raises
 ``InvalidArgumentError`` has changed nothing.
 """
 
@@ -203,7 +205,9 @@ class RadixCache:
             otherwise:  [protected_len, K) freed (retract: generated KV is not cached)
             both:       [K, L) freed; last_node unlocked
         """
-        keys, kv_slots = self._check_request(token_ids, kv_slots, protected_len, last_node)
+        keys, kv_slots = self._check_request(
+            token_ids, kv_slots, protected_len, last_node, is_insert=is_insert
+        )
         if is_insert and not self.disabled:
             new_prefix_len = self._insert(keys, kv_slots[: len(keys)])[0]
             released = np.concatenate(
@@ -225,7 +229,9 @@ class RadixCache:
                       0     protected_len                                K                L
             returned  |<------------- tree slots, locked ------------->|<- tail ------->|
         """
-        keys, kv_slots = self._check_request(token_ids, kv_slots, protected_len, last_node)
+        keys, kv_slots = self._check_request(
+            token_ids, kv_slots, protected_len, last_node, is_insert=True
+        )
         if self.disabled:
             return CachedPrefix(kv_slots, protected_len, last_node)
         aligned_len = len(keys)
@@ -355,13 +361,14 @@ class RadixCache:
         if node.parent is None and node is not self.root:
             raise InvalidArgumentError(f"node {node.node_id} is not in the tree (evicted?)")
 
-    def _depth(self, node: TreeNode) -> int:
+    def _path_key(self, node: TreeNode) -> np.ndarray:
+        """The token ids from the root down to the end of ``node``."""
         self._check_attached(node)
-        depth = 0
+        keys = []
         while node is not self.root:
-            depth += len(node.key)
+            keys.append(node.key)
             node = node.parent
-        return depth
+        return np.concatenate(keys[::-1]) if keys else np.empty(0, dtype=np.int64)
 
     def _check_page_runs(self, slots: np.ndarray, what: str) -> None:
         """Slots must lie in the pool, each page's run being that whole page in order."""
@@ -373,9 +380,19 @@ class RadixCache:
             raise InvalidArgumentError(f"{what}: each page-sized run must be one whole page")
 
     def _check_request(
-        self, token_ids: object, kv_slots: object, protected_len: int, last_node: TreeNode
+        self,
+        token_ids: object,
+        kv_slots: object,
+        protected_len: int,
+        last_node: TreeNode,
+        *,
+        is_insert: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Validate a request hand-back; return (page-aligned keys, kv_slots)."""
+        """Validate a request hand-back; return (page-aligned keys, kv_slots).
+
+        Only a hand-back that inserts reads the token ids' values (a retract
+        passes placeholders of the right length).
+        """
         token_ids = _as_int_array(token_ids, "token_ids")
         kv_slots = _as_int_array(kv_slots, "kv_slots")
         if len(kv_slots) != len(token_ids):
@@ -387,11 +404,19 @@ class RadixCache:
             )
         # The locked node must end exactly where the tree's slots end, or the
         # ranges freed below would include slots the tree owns.
-        depth = self._depth(last_node)
-        if depth != protected_len:
-            raise InvalidArgumentError(f"last_node ends at {depth}, protected_len {protected_len}")
+        locked_key = self._path_key(last_node)
+        if len(locked_key) != protected_len:
+            raise InvalidArgumentError(
+                f"last_node ends at {len(locked_key)}, protected_len {protected_len}"
+            )
         if last_node is not self.root and last_node.lock_ref == 0:
             raise InvalidArgumentError(f"last_node {last_node.node_id} is not locked")
+        # The tree walks ``keys`` to insert: tokens other than the locked path's
+        # would file the tree's own slots under a second key (a page in two nodes).
+        if is_insert and not np.array_equal(keys[:protected_len], locked_key):
+            raise InvalidArgumentError(
+                f"token_ids[:{protected_len}] differ from the locked prefix the request holds"
+            )
         self._check_page_runs(kv_slots[protected_len : len(keys)], "kv_slots")
         self.allocator.check_slots(kv_slots[len(keys) :])
         return keys, kv_slots

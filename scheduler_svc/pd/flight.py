@@ -44,6 +44,11 @@ class Flight:
     redrives: int = 0  # started over on a restarted decode scheduler
     redrive_pending: bool = False  # prefill again once the prefill node answers the last one
 
+    @property
+    def client(self) -> str:
+        """The client that submitted the request: only it may re-submit or abort it."""
+        return self.header["client"]
+
 
 def unpack_reply(frames: list[bytes], peer: str) -> dict[str, Any] | None:
     """A reply's header, or None for one damaged on the way (dropped, as if lost)."""

@@ -111,7 +111,8 @@ class NodeWatch:
         for flight in flights:
             room = flight.header["bootstrap_room"]
             stale = [op for op, (h, _) in flight.prefill_ops.items() if h["bootstrap_room"] != room]
-            await router.abort_on_prefill([flight.prefill_ops[op][0]["rid"] for op in stale])
+            stale_rids = [flight.prefill_ops[op][0]["rid"] for op in stale]
+            await router.abort_on_prefill(stale_rids, flight.client)
             for op in stale:
                 del flight.prefill_ops[op]
                 router.by_prefill_op.pop(op, None)

@@ -23,7 +23,10 @@ rid, so a client that re-submits through a restarted router pairs the two
 nodes' halves of its request again (each node attaches a live rid or answers
 a finished one from its result cache); a re-submission to this router takes
 over the live request's replies (the decode node restarts the stream at
-offset 0). A scheduler restarted at the same address (a new pid answers the
+offset 0), if it comes from the client that submitted it (the ``client`` id of
+its messages); another client's gets ``duplicate_rid``, and its abort
+``not_owner``. The router passes that id on to both nodes, which check it
+too. A scheduler restarted at the same address (a new pid answers the
 router's ping) is caught up (:mod:`scheduler_svc.pd.node_watch`): the prefill one
 gets the prefill requests its predecessor had not answered, the decode one
 every live request again from the start (whose prompt the prefill node
@@ -48,6 +51,8 @@ import zmq.asyncio
 
 from memsvc import protocol as wire
 from memsvc.cli import add_service_args, setup_logging, write_ready_file
+from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args, make_client, secure_server
+from memsvc.limits import recv_bounded_async
 from memsvc.server import (
     check_listen_address,
     default_listen_address,
@@ -83,8 +88,10 @@ class Router:
         *,
         prefill_timeout_s: float = 10.0,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.listen, self.prefill_address, self.decode_address = listen, prefill, decode
+        self.curve = curve or CurveKeys()  # server: the client socket; client: the nodes
         self.prefill_timeout_s = prefill_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self._ops = itertools.count(1)
@@ -115,9 +122,14 @@ class Router:
             write_ready_file(ready_file, self.listen)
             print(f"router listening on {self.listen}", flush=True)
 
+        auth = None
         try:
             for sock in (self.front, self.decode, self.prefill):
                 sock.setsockopt(zmq.LINGER, 0)
+            p.MESSAGE_LIMIT.apply(self.front)
+            for sock in (self.decode, self.prefill):
+                make_client(sock, self.curve.client)
+            auth = secure_server(ctx, self.front, self.curve.server)
             self.front.bind(self.listen)
             self.decode.connect(self.decode_address)
             self.prefill.connect(self.prefill_address)
@@ -132,6 +144,8 @@ class Router:
         finally:
             for sock in (self.front, self.decode, self.prefill):
                 sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             remove_endpoint(self.listen, ready_file)
 
@@ -139,11 +153,13 @@ class Router:
 
     async def _from_clients(self) -> None:
         while True:
-            frames = await self.front.recv_multipart()
-            if len(frames) < 2:
+            inbound = await recv_bounded_async(self.front, p.MESSAGE_LIMIT, keep=2)
+            if len(inbound.frames) < 2:
                 continue
-            identity, payload = frames[0], frames[1:]
+            identity, payload = inbound.frames[0], inbound.frames[1:]
             try:
+                if inbound.too_large is not None:
+                    raise inbound.too_large  # only its header was kept
                 msg = p.parse_request(payload)
                 if msg.op == "generate":
                     await self._generate(identity, msg)
@@ -160,8 +176,9 @@ class Router:
         key = fingerprint(msg)
         live = self.flights.get(msg.rid)
         if live is not None:
-            if live.fingerprint != key:
-                message = f"request {msg.rid!r} is already running"
+            if (live.client, live.fingerprint) != (msg.client, key):
+                whose = "" if live.client == msg.client else " for another client"
+                message = f"request {msg.rid!r} is already running{whose}"
                 await self._reply(identity, error_reply(msg.op_id, "duplicate_rid", message, 400))
                 return
             if (live.identity, live.op_id) == (identity, msg.op_id):
@@ -177,6 +194,7 @@ class Router:
         header = {
             "op": "generate",
             "rid": msg.rid,
+            "client": msg.client,  # the nodes check it too: a restarted router passes it on
             "sampling": msg.sampling.model_dump(),
             "stream": msg.stream,
             "priority": msg.priority,
@@ -221,7 +239,7 @@ class Router:
             del self.flights[flight.rid]
         left = self.drop_prefill_ops(flight)
         if cleanup:
-            await self.abort_on_prefill(left)
+            await self.abort_on_prefill(left, flight.client)
 
     def drop_prefill_ops(self, flight: Flight) -> list[str]:
         """Stop waiting for the prefill node's replies to ``flight``; their rids."""
@@ -232,15 +250,24 @@ class Router:
         flight.current = None
         return list(dict.fromkeys(rids))
 
-    async def abort_on_prefill(self, rids: list[str]) -> None:
+    async def abort_on_prefill(self, rids: list[str], client: str) -> None:
+        """Abort ``rids`` on the prefill node, as ``client`` (who owns them there)."""
         for rid in rids:
             await self.prefill.send_multipart(
-                wire.pack({"op": "abort", "rid": rid, "op_id": next(self._ops)})
+                wire.pack({"op": "abort", "rid": rid, "client": client, "op_id": next(self._ops)})
             )
 
     async def _abort(self, identity: bytes, msg: p.Abort) -> None:
-        found = await self.call(self.decode, {"op": "abort", "rid": msg.rid})
-        await self.abort_on_prefill(self._prefill_rids(msg.rid))
+        flight = self.flights.get(msg.rid)
+        if flight is not None and flight.client != msg.client:
+            message = f"request {msg.rid!r} belongs to another client"
+            await self._reply(identity, error_reply(msg.op_id, "not_owner", message, 403))
+            return
+        found = await self.call(self.decode, {"op": "abort", "rid": msg.rid, "client": msg.client})
+        await self.abort_on_prefill(self._prefill_rids(msg.rid), msg.client)
+        if found is not None and not found.get("ok"):  # the node knows the owner (a new router)
+            await self._reply(identity, wire.pack({**found, "op_id": msg.op_id}))
+            return
         reply = {"ok": True, "op_id": msg.op_id, "found": bool(found and found.get("found"))}
         await self._reply(identity, wire.pack(reply))
 
@@ -343,6 +370,7 @@ class Router:
         request = {
             "op": "generate",
             "rid": f"{flight.rid}:rb{room}",
+            "client": flight.client,
             "sampling": sampling,
             "stream": False,
             "priority": flight.header.get("priority"),
@@ -363,7 +391,7 @@ class Router:
         prefills to end is superseded too: the decode node asked for this room.
         """
         flight.redrive_pending = False
-        await self.abort_on_prefill(self.drop_prefill_ops(flight))
+        await self.abort_on_prefill(self.drop_prefill_ops(flight), flight.client)
 
     async def _from_prefill(self) -> None:
         while True:
@@ -404,9 +432,8 @@ class Router:
                 "status_code": reason.get("status_code", 500),
             }
         flight.prefill_error = header
-        await self.decode.send_multipart(
-            wire.pack({"op": "abort", "rid": flight.rid, "op_id": next(self._ops)})
-        )
+        abort = {"op": "abort", "rid": flight.rid, "client": flight.client}
+        await self.decode.send_multipart(wire.pack({**abort, "op_id": next(self._ops)}))
 
     async def prefill_again(self, flight: Flight) -> None:
         """The prompt once more, under a new name on the prefill node (its first token seeded)."""
@@ -446,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "info (and so `kvstack status` and GET /health) calls the stack wedged",
     )
     add_service_args(parser, ready_fields="address, pid")
+    add_curve_arguments(parser, connects_to="the two schedulers (--prefill, --decode)")
     return parser
 
 
@@ -455,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     listen = args.listen or default_listen_address("router")
     try:
         check_listen_address(listen, allow_remote=args.allow_remote)
+        curve = curve_from_args(args)
     except Exception as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
@@ -464,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         args.decode,
         prefill_timeout_s=args.prefill_timeout,
         stall_timeout_s=args.stall_timeout,
+        curve=curve,
     )
     asyncio.run(router.run(args.ready_file))
     return 0

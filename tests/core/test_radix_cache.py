@@ -489,6 +489,41 @@ def test_cache_unfinished_req_shorter_than_a_page_changes_nothing(ps: int) -> No
     assert_integrity(cache, idle=True)
 
 
+def test_hand_back_with_tokens_other_than_the_locked_path_is_refused(ps: int) -> None:
+    """Issue 18, defect 1: the tokens of the protected prefix must be the locked path's.
+
+    Otherwise the tree re-inserts slots it already owns under other tokens (a page
+    in two nodes), and a later eviction hands a locked page to someone else.
+    """
+    cache = make_cache(ps)
+    allocator = cache.allocator
+    cache.insert(toks(ps, [0, 1, 2, 3]), take(allocator, 4 * ps))
+    victim = start_request(cache, toks(ps, [0, 1], 1))
+    assert victim.protected_len == 2 * ps
+    req = start_request(cache, toks(ps, [0, 1, 2, 3]))
+    assert req.protected_len == 4 * ps
+    forged = np.arange(100, 100 + len(req.tokens), dtype=np.int64)
+    half_forged = np.concatenate([toks(ps, [0, 7]), toks(ps, [2, 3])])
+    before = snapshot(cache)
+    for tokens in (forged, half_forged):
+        with pytest.raises(InvalidArgumentError, match="locked prefix"):
+            cache.cache_finished_req(
+                tokens, req.kv_slots, req.protected_len, req.last_node, is_insert=True
+            )
+        assert snapshot(cache) == before
+        with pytest.raises(InvalidArgumentError, match="locked prefix"):
+            cache.cache_unfinished_req(tokens, req.kv_slots, req.protected_len, req.last_node)
+        assert snapshot(cache) == before
+    assert_integrity(cache, victim.own_slots)
+    cache.cache_finished_req(
+        req.tokens, req.kv_slots, req.protected_len, req.last_node, is_insert=True
+    )
+    cache.cache_finished_req(
+        victim.tokens, victim.kv_slots, victim.protected_len, victim.last_node, is_insert=False
+    )
+    assert_integrity(cache, idle=True)
+
+
 # -- disabled mode -------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import MemClient
 from model_svc.client import ModelClient
+from tests.bounds import assert_messages_bounded
 from tests.model_service.test_model_svc_process import POOL_SIZE
 
 
@@ -70,3 +71,13 @@ def test_errors_echo_the_op_id_and_float32_edges_are_handled(stack) -> None:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_a_message_is_bounded_in_frames_not_only_per_frame(stack) -> None:
+    """Issue 18, defect 5, on the worker's socket: over 64 MiB in all, or more frames than
+    any forward call has, gets ``too_large``, read and dropped frame by frame."""
+    svc, address = stack
+    assert_messages_bounded(address, {"op": "info"}, over_bytes=[33 << 20, 33 << 20])
+    with MemClient(svc.address) as mem, ModelClient(address) as model:
+        assert model.info()["pool_epoch"] == mem.epoch  # still serving
+        mem.check(idle=True)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from memsvc.client import MemClient
 from memsvc.core.backends import attach
 from memsvc.core.errors import InvalidArgumentError
+from memsvc.movers import CHUNK_PAGES, pack_frames
 from memsvc.sessions import NotOwnerError
-from memsvc.transfer import KVPoll
+from memsvc.transfer import KVPoll, TransferAgent
+from tests.helpers import small_layout
 
 BACKENDS = ["zmq", "nixl"]
 
@@ -164,3 +168,34 @@ def test_a_room_the_decode_side_never_expects_fails_by_its_deadline(memsvc_facto
         p.pd_forget([21])
         p.free_row("r")
         p.check(idle=True)
+
+
+def test_the_transfer_listener_bounds_each_message(tmp_path, make_pool) -> None:
+    """Issue 18, defect 5, on the PD transfer socket: a frame larger than a data chunk
+    drops its sender unread, and a message with more frames than any has is dropped."""
+    pool = make_pool(small_layout(page_size=4, num_pages=16, max_running_requests=4))
+    agent = TransferAgent(
+        pool, role="decode", backend="zmq", epoch="e", listen=f"ipc://{tmp_path}/t.sock"
+    )
+    ctx = zmq.Context()
+    try:
+        (listener,) = agent.open(ctx)
+        chunk_bytes = CHUNK_PAGES * pool.layout.bytes_per_page
+        assert chunk_bytes < listener.getsockopt(zmq.MAXMSGSIZE) < chunk_bytes + (4 << 20)
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(agent.listen)
+        query = pack_frames({"t": "query", "room": 5, "rid": "r"})
+        for frames, answered in [([*query, *[b"x"] * 20], False), (query, True)]:
+            peer.send_multipart(frames)
+            deadline = time.monotonic() + (5 if answered else 1)
+            while time.monotonic() < deadline and not peer.poll(0):
+                if listener.poll(20):
+                    agent.on_readable(listener)
+            assert bool(peer.poll(0)) == answered
+        assert msgpack.unpackb(peer.recv_multipart()[0])["t"] == "not_ready"
+        peer.close(0)
+        pool.check_integrity(idle=True)
+    finally:
+        agent.close()
+        ctx.term()

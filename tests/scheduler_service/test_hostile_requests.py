@@ -26,6 +26,7 @@ from scheduler_svc.client import (
     SchedulerLostError,
 )
 from scheduler_svc.protocol import MAX_PROMPT_TOKENS
+from tests.bounds import assert_messages_bounded
 from tests.procs import start_stack
 from tests.scheduler_service.test_normal_mode import SMALL_POOL, assert_idle
 
@@ -58,7 +59,8 @@ def test_float32_edge_sampling_fails_alone(launcher, checkpoint) -> None:
     raw = rpc.dealer(ctx, address)  # the client itself refuses a top_p it cannot send
     try:
         sampling = {**INNOCENT, "temperature": 1.0, "top_p": 1e-46}
-        header = {"op": "generate", "op_id": 7, "rid": "tiny-top-p", "sampling": sampling}
+        header = {"op": "generate", "op_id": 7, "rid": "tiny-top-p", "client": "raw"}
+        header["sampling"] = sampling
         raw.send_multipart(wire.pack(header, {"input_ids": np.array(PROMPT)}))
         got = _generate_all(
             address,
@@ -123,3 +125,61 @@ def _assert_raw_errors_echo_the_op_id(address: str) -> None:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_a_message_is_bounded_on_the_scheduler_socket(launcher, checkpoint) -> None:
+    """Issue 18, defect 5: the scheduler's socket had no limit at all (one 300 MiB frame
+    took its RSS from 57 to 680 MB). No generate needs 16 MiB or 16 frames; a frame
+    past 64 MiB drops the sender unread."""
+    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+    assert_messages_bounded(
+        stack.scheduler.address,
+        {"op": "generate", "rid": "big"},
+        over_bytes=[9 << 20, 9 << 20],
+        pid=stack.scheduler.proc.pid,
+        frame_over_cap=(64 << 20) + 1,
+    )
+    with GenerateClient(stack.scheduler.address, timeout_s=30) as client:
+        assert len(client.generate(PROMPT, sampling={"max_new_tokens": 2}).output_ids) == 2
+    assert_idle(stack)
+
+
+def test_a_rid_belongs_to_the_client_that_submitted_it(launcher, checkpoint) -> None:
+    """Issue 18, defect 6: re-submitting a live rid with the same body took over its
+    replies (the owner waited out its timeout), and any client could abort any rid.
+    The owner's own re-submission, from a new socket, still gets its result."""
+    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+    address = stack.scheduler.address
+    sampling = {"max_new_tokens": 200, "ignore_eos": True}
+
+    def intrude() -> tuple[object, object]:
+        outcomes = []
+        with GenerateClient(address, timeout_s=3, resubmits=0) as other:
+            for attempt in (
+                lambda: other.generate(PROMPT, sampling=sampling, rid="r"),
+                lambda: other.abort("r"),
+            ):
+                try:
+                    outcomes.append(attempt())
+                except GenerateError as exc:
+                    outcomes.append(exc)
+        return outcomes[0], outcomes[1]
+
+    async def go() -> tuple[list, object, object, str]:
+        async with AsyncGenerateClient(address, timeout_s=20, resubmits=0) as owner:
+            stream = owner.stream(PROMPT, sampling=sampling, rid="r")
+            items = [await anext(stream)]  # a first chunk: "r" is live
+            taken, refused = await asyncio.to_thread(intrude)
+            items += [item async for item in stream]
+        return items, taken, refused, owner.client_id
+
+    items, taken, refused, owner_id = asyncio.run(go())
+    assert isinstance(taken, GenerateError) and not isinstance(taken, SchedulerLostError), taken
+    assert taken.code == "duplicate_rid", taken
+    assert isinstance(refused, GenerateError) and refused.code == "not_owner", refused
+    result = items[-1]
+    assert result.finish_reason["type"] == "length", result.finish_reason
+    assert len(result.output_ids) == sampling["max_new_tokens"]
+    with GenerateClient(address, timeout_s=10, resubmits=0, client_id=owner_id) as again:
+        assert again.generate(PROMPT, sampling=sampling, rid="r").output_ids == result.output_ids
+    assert_idle(stack)

@@ -170,39 +170,25 @@ def test_bad_input_gets_a_clear_error(launcher, checkpoint) -> None:
     ctx = zmq.Context()
     sock = rpc.dealer(ctx, stack.scheduler.address)
     try:
+        gen = {"op": "generate", "rid": "a", "client": "c"}
+        one = {"input_ids": np.array([1])}
         cases = [
             ([b"\xc1"], "malformed"),
+            (wire.pack({**gen, "op_id": 1, "input_ids": [1, 2]}), "bad_request"),  # a list
             (
-                wire.pack({"op": "generate", "op_id": 1, "rid": "a", "input_ids": [1, 2]}),
-                "bad_request",
-            ),  # a list, not an array frame
-            (
-                wire.pack(
-                    {"op": "generate", "op_id": 2, "rid": "a", "sampling": {"max_new_tokens": -1}},
-                    {"input_ids": np.array([1])},
-                ),
+                wire.pack({**gen, "op_id": 2, "sampling": {"max_new_tokens": -1}}, one),
                 "bad_request",
             ),
             (
-                wire.pack(
-                    {"op": "generate", "op_id": 3, "rid": "a", "sampling": {"temperature": "hot"}},
-                    {"input_ids": np.array([1])},
-                ),
+                wire.pack({**gen, "op_id": 3, "sampling": {"temperature": "hot"}}, one),
                 "bad_request",
             ),
+            (wire.pack({**gen, "op_id": 4, "evil": 1}, one), "bad_request"),
+            (wire.pack({**gen, "op_id": 5}, {"input_ids": np.array([1, 99999])}), "bad_request"),
             (
-                wire.pack(
-                    {"op": "generate", "op_id": 4, "rid": "a", "evil": 1},
-                    {"input_ids": np.array([1])},
-                ),
+                wire.pack({"op": "generate", "op_id": 7, "rid": "a"}, one),
                 "bad_request",
-            ),
-            (
-                wire.pack(
-                    {"op": "generate", "op_id": 5, "rid": "a"}, {"input_ids": np.array([1, 99999])}
-                ),
-                "bad_request",
-            ),
+            ),  # no client
             (wire.pack({"op": "launch", "op_id": 6}), "unknown_op"),
         ]
         for frames, code in cases:

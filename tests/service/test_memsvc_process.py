@@ -27,6 +27,7 @@ from memsvc.client import (
 from memsvc.core.backends.shm import list_segments
 from memsvc.core.errors import UnknownRequestError
 from memsvc.sessions import NotOwnerError
+from tests.bounds import assert_messages_bounded
 from tests.procs import REPO, start_memsvc
 
 
@@ -237,6 +238,14 @@ def test_oversized_messages(memsvc_factory) -> None:
         ctx.term()
         assert mem.stats()["open_requests"] == 1
         mem.free_row("r")
+        mem.check(idle=True)
+
+
+def test_a_message_is_bounded_in_frames_and_bytes_not_only_per_frame(memsvc_factory) -> None:
+    """Issue 18, defect 5: memsvc limited each frame, not each message."""
+    svc = memsvc_factory("--max-message-bytes", "4096")
+    assert_messages_bounded(svc.address, {"op": "heartbeat"}, over_bytes=[2000] * 40)
+    with MemClient(svc.address, timeout_s=2.0) as mem:
         mem.check(idle=True)
 
 
