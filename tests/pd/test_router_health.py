@@ -92,12 +92,13 @@ class FakeNode:
         self._ctx.term()
 
 
-@pytest.fixture
-def nodes(tmp_path) -> Iterator[dict[str, FakeNode]]:
+@contextlib.contextmanager
+def open_nodes(tmp_path, node_class: type[FakeNode] = FakeNode) -> Iterator[dict[str, Any]]:
+    """A stand-in prefill node and decode node (pids 1 and 2), closed on the way out."""
     made: dict[str, FakeNode] = {}
     try:
         for pid, name in enumerate(("prefill", "decode"), start=1):
-            made[name] = FakeNode(f"ipc://{tmp_path}/{name}.sock", pid)
+            made[name] = node_class(f"ipc://{tmp_path}/{name}.sock", pid)
         yield made
     finally:
         for node in made.values():
@@ -105,17 +106,27 @@ def nodes(tmp_path) -> Iterator[dict[str, FakeNode]]:
                 node.close()
 
 
-@pytest.fixture
-def router(launcher, nodes) -> Service:
+def start_router(launcher, nodes: dict[str, FakeNode], *args: str) -> Service:
+    """A real router in front of the stand-in ``nodes``."""
     return launcher.start(
         "scheduler_svc.pd.router",
         "--prefill",
         nodes["prefill"].address,
         "--decode",
         nodes["decode"].address,
-        "--stall-timeout",
-        str(STALL_TIMEOUT_S),
+        *args,
     )
+
+
+@pytest.fixture
+def nodes(tmp_path) -> Iterator[dict[str, FakeNode]]:
+    with open_nodes(tmp_path) as made:
+        yield made
+
+
+@pytest.fixture
+def router(launcher, nodes) -> Service:
+    return start_router(launcher, nodes, "--stall-timeout", str(STALL_TIMEOUT_S))
 
 
 def test_status_reports_a_wedged_stack_unhealthy(router, nodes) -> None:

@@ -20,7 +20,7 @@ from kvstack.stack.launch import Service
 from memsvc import protocol as wire
 from scheduler_svc.client import GenerateClient, GenerateError, SchedulerLostError
 from tests.bounds import assert_messages_bounded
-from tests.pd.test_router_health import FakeNode
+from tests.pd.test_router_health import FakeNode, open_nodes, start_router
 
 PROMPT = [5, 6, 7, 8]
 SAMPLING = {"max_new_tokens": 8, "ignore_eos": True}
@@ -75,25 +75,13 @@ def _aborted(op_id: int, rid: str) -> dict[str, Any]:
 
 @pytest.fixture
 def nodes(tmp_path):
-    made: dict[str, RecordingNode] = {}
-    try:
-        for pid, name in enumerate(("prefill", "decode"), start=1):
-            made[name] = RecordingNode(f"ipc://{tmp_path}/{name}.sock", pid)
+    with open_nodes(tmp_path, RecordingNode) as made:
         yield made
-    finally:
-        for node in made.values():
-            node.close()
 
 
 @pytest.fixture
 def router(launcher, nodes) -> Service:
-    return launcher.start(
-        "scheduler_svc.pd.router",
-        "--prefill",
-        nodes["prefill"].address,
-        "--decode",
-        nodes["decode"].address,
-    )
+    return start_router(launcher, nodes)
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> None:
