@@ -45,14 +45,13 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstack.model.paths import TINY, say_on_stderr
 from kvstack.serve.app import Backend, HttpFront
 from kvstack.stack.model_args import (
-    TINY,
     ModelArgsError,
     StackModel,
     add_model_arguments,
     resolve_model_path,
-    say_on_stderr,
     stack_model,
 )
 from memsvc.cli import LOG_FORMAT, write_ready_file

@@ -27,10 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.model import paths
-from kvstack.model.paths import TINY, say_on_stderr
 from memsvc.cli import DEFAULT_PAGE_SIZE
-
-__all__ = ["TINY", "ModelArgsError", "StackModel", "add_model_arguments", "say_on_stderr"]
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

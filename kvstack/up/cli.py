@@ -17,11 +17,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvstack.model.paths import TINY, say_on_stderr
 from kvstack.stack.model_args import (
-    TINY,
     ModelArgsError,
     add_model_arguments,
-    say_on_stderr,
     stack_model,
 )
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
