@@ -21,10 +21,15 @@ demo: $(STAMP)
 selfcheck: $(STAMP)
 	$(BIN)/python -m memsvc.selfcheck
 
+# Test files are spread over PYTEST_WORKERS processes, each file's tests kept in one
+# (their module fixtures start a stack once); the suite waits on processes as much as
+# it computes, so two workers suit CI's two cores.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

