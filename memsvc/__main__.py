@@ -13,6 +13,8 @@ from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE, add_service_args, s
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
+from memsvc.core.hicache import WRITE_POLICIES, HiCacheConfig
+from memsvc.core.storage import STORAGE_BACKENDS
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.limits import MessageLimit
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(env SGLANG_RETRACT_DECODE_STEPS)",
     )
 
+    add_hicache_arguments(parser)
+
     pd = parser.add_argument_group("PD disaggregation (KV transfer between two memsvc)")
     pd.add_argument(
         "--pd-role",
@@ -191,6 +195,69 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_hicache_arguments(parser: argparse.ArgumentParser) -> None:
+    """SGLang's ``--enable-hierarchical-cache`` / ``--hicache-*`` flags (memsvc's subset)."""
+    hi = parser.add_argument_group(
+        "hierarchical cache (radix tree over device pool, host memory and storage)"
+    )
+    hi.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep evicted radix-tree KV in a host-memory tier (and a storage tier) and load "
+        "it back on a prefix match instead of recomputing it",
+    )
+    hi.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=HiCacheConfig.ratio,
+        help="host tier size as a multiple of the device KV pool",
+    )
+    hi.add_argument(
+        "--hicache-size",
+        type=float,
+        default=0,
+        help="host tier size in GB (1e9 bytes); > 0 overrides --hicache-ratio",
+    )
+    hi.add_argument(
+        "--hicache-write-policy",
+        choices=WRITE_POLICIES,
+        default=HiCacheConfig.write_policy,
+        help="write_through: copy a node to host when it is inserted; "
+        "write_through_selective: once it has been hit; write_back: when it is evicted",
+    )
+    hi.add_argument(
+        "--hicache-storage-backend",
+        choices=STORAGE_BACKENDS,
+        default=None,
+        help="third tier, fed by host-tier eviction: file (a local directory) or nixl (NIXL's "
+        "POSIX storage plugin on the same directory); unset: host eviction drops KV",
+    )
+    hi.add_argument(
+        "--hicache-storage-dir",
+        default=HiCacheConfig.storage_dir,
+        help="directory of the storage tier; its page files are discarded when memsvc starts",
+    )
+    hi.add_argument(
+        "--hicache-storage-size",
+        type=float,
+        default=0,
+        help="storage tier cap in GB (1e9 bytes); 0: 4 x the host tier",
+    )
+
+
+def hicache_config_from_args(args: argparse.Namespace) -> HiCacheConfig | None:
+    if not args.enable_hierarchical_cache:
+        return None
+    return HiCacheConfig(
+        ratio=args.hicache_ratio,
+        size_bytes=int(args.hicache_size * 1e9),
+        write_policy=args.hicache_write_policy,
+        storage_backend=args.hicache_storage_backend,
+        storage_dir=args.hicache_storage_dir,
+        storage_size_bytes=int(args.hicache_storage_size * 1e9),
+    )
+
+
 def make_transfer_agent(
     args: argparse.Namespace, pool: KVPool, epoch: str, curve: CurveKeys
 ) -> TransferAgent:
@@ -240,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             backend_options=options,
             async_offload=args.offload_copy == "async"
             or (args.offload_copy == "auto" and args.backend == "cuda"),
+            hicache=hicache_config_from_args(args),
         )
     except MemsvcError as exc:
         print(f"memsvc: error: {exc}", file=sys.stderr)

@@ -29,7 +29,15 @@ from memsvc.core.backends import AttachedBuffers
 from memsvc.core.backends import attach as attach_handle
 from memsvc.core.layout import PoolLayout
 from memsvc.curve import CurveClientKeys
-from memsvc.ops import AllocResult, PoolSizes, RetractReply, _Call, _nothing, _Ops
+from memsvc.ops import (
+    AllocResult,
+    PoolSizes,
+    PrefixMatch,
+    RetractReply,
+    _Call,
+    _nothing,
+    _Ops,
+)
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 
 __all__ = [
@@ -40,6 +48,7 @@ __all__ = [
     "MemClient",
     "PeerDeadError",
     "PoolSizes",
+    "PrefixMatch",
     "RequestRejectedError",
     "RetractReply",
     "attach",

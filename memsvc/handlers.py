@@ -53,6 +53,7 @@ class MemService:
             "goodbye": self._goodbye,
             "stats": self._stats,
             "check": self._check,
+            "flush_cache": self._flush_cache,
             "alloc_row": self._alloc_row,
             "free_row": self._free_row,
             "match_prefix": self._match_prefix,
@@ -165,7 +166,18 @@ class MemService:
             "capacity": self.pool.capacity,
             "host_store_bytes": self.pool.host_store.capacity_bytes,
             "retract_decode_steps": self.config.retract_decode_steps,
+            "hicache": self._hicache_info(),
         }, None
+
+    def _hicache_info(self) -> dict[str, Any] | None:
+        hicache = self.pool.hicache
+        if hicache is None:
+            return None
+        return {
+            "write_policy": hicache.write_policy,
+            "host_capacity_bytes": hicache.host.num_pages * hicache.page_bytes,
+            "storage_backend": hicache.storage.name if hicache.storage else None,
+        }
 
     def _heartbeat(self, session: Session, msg: p.Heartbeat) -> Reply:
         return {}, None
@@ -251,12 +263,18 @@ class MemService:
             "pending_pages": pool.allocator.num_pending_pages,
             "sessions": len(self.sessions),
             "transfer": self.transfer.stats() if self.transfer else None,
+            "hicache": pool.hicache.stats_dict() if pool.hicache is not None else None,
             "counters": self.metrics.counters(),
         }, None
 
     def _check(self, session: Session, msg: p.Check) -> Reply:
         self.pool.check_integrity(idle=msg.idle)
         return {}, None
+
+    def _flush_cache(self, session: Session, msg: p.FlushCache) -> Reply:
+        """Evict every unlocked node of the prefix tree (with the hierarchy: and every host
+        and storage copy, unless ``device_only``); locked prefixes stay on the device."""
+        return {"evicted": self.pool.flush_cache(device_only=msg.device_only)}, None
 
     def _alloc_row(self, session: Session, msg: p.AllocRow) -> Reply:
         self.sessions.check_owner(session, msg.rid)
@@ -273,6 +291,15 @@ class MemService:
 
     def _match_prefix(self, session: Session, msg: p.MatchPrefix) -> Reply:
         self._own(session, msg.rid)
+        if self.pool.hicache is not None:
+            match = self.pool.match_prefix_tiers(msg.rid, msg.token_ids)
+            return {
+                "prefix_len": match.prefix_len,
+                "device_hit": match.device_tokens,
+                "host_hit": match.host_tokens,
+                "storage_hit": match.storage_tokens,
+                "load_pending": match.load_pending,
+            }, None
         prefix_len = self.pool.match_prefix(msg.rid, msg.token_ids)
         return {"prefix_len": prefix_len}, None
 
@@ -311,21 +338,36 @@ class MemService:
 
     def _retract(self, session: Session, msg: p.Retract) -> Reply:
         self._own_rows(session, msg.rows)
-        offload = msg.offload.astype(bool) if msg.mode == "mixed" else msg.mode == "offload"
+        offload = msg.offload == 1 if msg.mode == "mixed" else msg.mode == "offload"
+        to_tree = None
+        if msg.tree_lens is not None:  # hicache: these victims' KV goes into the tree
+            into_tree = msg.offload == 2 if msg.mode == "mixed" else np.ones(msg.rows.size, bool)
+            ends = np.cumsum(msg.tree_lens).tolist()
+            to_tree = {
+                row: msg.tree_tokens[end - n : end]
+                for row, n, end, tree in zip(
+                    msg.rows.tolist(), msg.tree_lens.tolist(), ends, into_tree.tolist(), strict=True
+                )
+                if tree
+            }
         result = self.pool.retract(
             msg.rows,
             offload=offload,
             retract_decode_steps=self.config.retract_decode_steps,
+            to_tree=to_tree,
         )
         self._settle(*result.retracted, *result.offload_failed)
         self.metrics.retracted(len(result.retracted) + len(result.offload_failed))
         self.metrics.offloaded(result.offloaded_bytes)
-        return {
+        reply = {
             "retracted": result.retracted,
             "offload_failed": result.offload_failed,
             "tokens_gained": result.tokens_gained,
             "last_does_not_fit": result.last_does_not_fit,
-        }, None
+        }
+        if self.pool.hicache is not None:
+            reply.update(to_tree=result.to_tree, tree_bytes=result.tree_bytes)
+        return reply, None
 
     def _offload(self, session: Session, msg: p.Offload) -> Reply:
         self._own(session, msg.rid)

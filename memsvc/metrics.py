@@ -130,6 +130,96 @@ class _Collector:
         for key, (name, doc) in _COUNTER_SERIES.items():
             yield CounterMetricFamily(name, doc, value=counts.get(key, 0))
         yield from self._pool_series(GaugeMetricFamily)
+        if self.service.pool.hicache is not None:
+            yield from self._hicache_series(GaugeMetricFamily, CounterMetricFamily)
+
+    def _hicache_series(self, gauge: Any, counter: Any) -> Any:
+        """The hierarchical cache, under SGLang's ``sglang:hicache_*`` / ``load_back`` names
+        where SGLang has the series, else ``kvstack_hicache_*``."""
+        from prometheus_client.core import SummaryMetricFamily
+
+        tree = self.service.pool.hicache
+        s = tree.stats
+        yield gauge(
+            "sglang:hicache_host_used_tokens",
+            "Tokens held in the hicache host tier",
+            value=tree.host_used_tokens(),
+        )
+        yield gauge(
+            "sglang:hicache_host_total_tokens",
+            "Token capacity of the hicache host tier",
+            value=tree.host_capacity_tokens(),
+        )
+        yield counter(
+            "sglang:hicache_backup_bytes", "Bytes copied device -> host", value=s.backup_bytes
+        )
+        yield counter(
+            "sglang:hicache_backup_tokens", "Tokens copied device -> host", value=s.backup_tokens
+        )
+        yield SummaryMetricFamily(
+            "sglang:hicache_backup_duration_seconds",
+            "Copy time of device -> host backups",
+            count_value=s.backups,
+            sum_value=s.backup_seconds,
+        )
+        yield counter(
+            "sglang:hicache_dropped_tokens",
+            "Tokens whose KV left every tier",
+            value=s.dropped_tokens,
+        )
+        yield counter(
+            "sglang:load_back_bytes", "Bytes loaded host / storage -> device", value=s.load_bytes
+        )
+        yield counter(
+            "sglang:load_back_tokens", "Tokens loaded host / storage -> device", value=s.load_tokens
+        )
+        yield SummaryMetricFamily(
+            "sglang:load_back_duration_seconds",
+            "Copy time of host / storage -> device loads",
+            count_value=s.loads,
+            sum_value=s.load_seconds,
+        )
+        hits = counter(
+            "kvstack_hicache_hit_tokens",
+            "Prefix-match tokens by the tier they were found in",
+            labels=["tier"],
+        )
+        for tier, value in dict(s.hit_tokens).items():
+            hits.add_metric([tier], value)
+        yield hits
+        pool = self.service.pool
+        usage = gauge("kvstack_hicache_usage", "Fraction of each tier in use", labels=["tier"])
+        usage.add_metric(["device"], 1 - pool.available_size() / pool.capacity)
+        usage.add_metric(["host"], tree.host_used_tokens() / max(tree.host_capacity_tokens(), 1))
+        usage.add_metric(
+            ["storage"], tree.storage_used_bytes() / max(tree.storage_capacity_bytes(), 1)
+        )
+        yield usage
+        yield gauge(
+            "kvstack_hicache_storage_used_bytes",
+            "Bytes in the storage tier",
+            value=tree.storage_used_bytes(),
+        )
+        yield gauge(
+            "kvstack_hicache_storage_total_bytes",
+            "Cap of the storage tier",
+            value=tree.storage_capacity_bytes(),
+        )
+        yield counter(
+            "kvstack_hicache_storage_write_bytes",
+            "Bytes written host -> storage",
+            value=s.storage_write_bytes,
+        )
+        yield counter(
+            "kvstack_hicache_storage_read_bytes",
+            "Bytes read storage -> device",
+            value=s.storage_read_bytes,
+        )
+        yield counter(
+            "kvstack_hicache_storage_seconds",
+            "Time spent in storage-tier I/O",
+            value=s.storage_seconds,
+        )
 
     def _pool_series(self, gauge: Any) -> Any:
         service = self.service

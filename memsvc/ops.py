@@ -9,7 +9,7 @@ offer exactly the same ops.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,12 +35,23 @@ class AllocResult:
     missing: int = 0
 
 
+class PrefixMatch(NamedTuple):
+    """``match_prefix``'s reply: ``prefix_len = device_hit + host_hit + storage_hit``."""
+
+    prefix_len: int
+    device_hit: int
+    host_hit: int = 0
+    storage_hit: int = 0
+    load_pending: bool = False
+
+
 @dataclass(frozen=True)
 class RetractReply:
     retracted: list[str]
     offload_failed: list[str]
     tokens_gained: int
     last_does_not_fit: bool
+    to_tree: list[str] = field(default_factory=list)  # of retracted: KV kept in the tree
 
 
 class _Call(NamedTuple):
@@ -83,6 +94,12 @@ class _Ops:
         """The pool's integrity check; raises ``IntegrityError`` with what is wrong."""
         return self._invoke(_Call("check", {"idle": idle}, None, _nothing))
 
+    def flush_cache(self, *, device_only: bool = False) -> Any:
+        """Evict everything evictable from the prefix tree (and the lower tiers unless
+        ``device_only``); returns the device tokens freed."""
+        header = {"device_only": device_only}
+        return self._invoke(_Call("flush_cache", header, None, lambda h, a: int(h["evicted"])))
+
     def alloc_row(self, rid: str) -> Any:
         """Open request ``rid`` and give it a ``req_to_token`` row; returns the row."""
         return self._invoke(_Call("alloc_row", {"rid": rid}, None, lambda h, a: h["row"]))
@@ -99,6 +116,27 @@ class _Ops:
                 {"rid": rid},
                 {"token_ids": _as_array(token_ids)},
                 lambda h, a: h["prefix_len"],
+            )
+        )
+
+    def match_prefix_tiers(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> Any:
+        """:meth:`match_prefix` with where the prefix came from -> PrefixMatch.
+
+        With the hierarchical cache, host / storage hits are loaded into fresh
+        device pages; the rid's next ``alloc_extend`` waits for that copy.
+        """
+        return self._invoke(
+            _Call(
+                "match_prefix",
+                {"rid": rid},
+                {"token_ids": _as_array(token_ids)},
+                lambda h, a: PrefixMatch(
+                    h["prefix_len"],
+                    h.get("device_hit", h["prefix_len"]),
+                    h.get("host_hit", 0),
+                    h.get("storage_hit", 0),
+                    h.get("load_pending", False),
+                ),
             )
         )
 
@@ -140,24 +178,41 @@ class _Ops:
         self,
         rows: Sequence[int] | np.ndarray,
         mode: str = "recompute",
-        offload: Sequence[bool] | None = None,
+        offload: Sequence[bool | int] | None = None,
+        token_ids: Sequence[Sequence[int] | np.ndarray | None] | None = None,
     ) -> Any:
         """Release from the end of ``rows`` (victim order) until the next step fits.
 
-        ``mode`` is ``recompute``, ``offload``, or ``mixed`` with ``offload``
-        giving per row whether its KV goes to the host store first.
+        ``mode`` is ``recompute``, ``offload``, ``tree``, or ``mixed`` with
+        ``offload`` giving per row 0 (free), 1 / True (private host-store entry)
+        or 2 (into the radix tree and its hicache host tier). Rows going into
+        the tree need their committed token ids in ``token_ids`` (one entry
+        per row; ``None`` for the others).
         """
         arrays = {"rows": _as_array(rows)}
         if offload is not None:
             mode = "mixed"
-            arrays["offload"] = _as_array([int(bool(x)) for x in offload])
+            arrays["offload"] = _as_array([x if x == 2 else int(bool(x)) for x in offload])
+        if token_ids is not None:
+            tree = [
+                (mode == "tree" or offload[i] == 2) and ids is not None
+                for i, ids in enumerate(token_ids)
+            ]
+            parts = [_as_array(ids) for ids, t in zip(token_ids, tree, strict=True) if t]
+            lens = [len(ids) if t else 0 for ids, t in zip(token_ids, tree, strict=True)]
+            arrays["tree_lens"] = _as_array(lens)
+            arrays["tree_tokens"] = _as_array(np.concatenate(parts) if parts else [])
         return self._invoke(
             _Call(
                 "retract",
                 {"mode": mode},
                 arrays,
                 lambda h, a: RetractReply(
-                    h["retracted"], h["offload_failed"], h["tokens_gained"], h["last_does_not_fit"]
+                    h["retracted"],
+                    h["offload_failed"],
+                    h["tokens_gained"],
+                    h["last_does_not_fit"],
+                    h.get("to_tree", []),
                 ),
             )
         )

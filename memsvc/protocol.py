@@ -90,6 +90,15 @@ class Stats(Message):
     op: Literal["stats"]
 
 
+class FlushCache(Message):
+    """Evict everything evictable from the prefix tree (SGLang's ``flush_cache``): with the
+    hierarchical cache, also every host and storage copy, unless ``device_only`` (which
+    moves the device tier down, as pressure would, for studying the tiers)."""
+
+    op: Literal["flush_cache"]
+    device_only: bool = False
+
+
 class Check(Message):
     """Run the pool's integrity check (with ``idle``: also that nothing is held)."""
 
@@ -142,9 +151,14 @@ class DecodeStep(Message):
 class Retract(Message):
     op: Literal["retract"]
     rows: IntArray  # most worth keeping first
-    mode: Literal["recompute", "offload", "mixed"]
-    # mode "mixed": one 0/1 per row, 1 = copy that victim's KV to the host store first.
+    mode: Literal["recompute", "offload", "mixed", "tree"]
+    # mode "mixed": one 0/1/2 per row, 1 = copy that victim's KV to the host store first,
+    # 2 = insert it into the radix tree and back it up to the hicache host tier.
     offload: IntArray | None = None
+    # Rows going into the tree (mode "tree", or 2 in the mask): their committed token ids,
+    # concatenated in row order, and one length per row (0 for the others).
+    tree_tokens: IntArray | None = None
+    tree_lens: IntArray | None = None
 
     @model_validator(mode="after")
     def _mask_matches(self) -> Retract:
@@ -152,6 +166,18 @@ class Retract(Message):
             raise ValueError("an offload mask goes with mode 'mixed', and only with it")
         if self.offload is not None and self.offload.shape != self.rows.shape:
             raise ValueError("the offload mask needs one entry per row")
+        if self.offload is not None and ((self.offload < 0) | (self.offload > 2)).any():
+            raise ValueError("offload mask entries are 0, 1 or 2")
+        wants_tree = self.mode == "tree" or (self.offload is not None and (self.offload == 2).any())
+        if wants_tree != (self.tree_lens is not None) or (
+            (self.tree_tokens is None) != (self.tree_lens is None)
+        ):
+            raise ValueError("tree_tokens and tree_lens go with rows retracted into the tree")
+        if self.tree_lens is not None:
+            if self.tree_lens.shape != self.rows.shape or (self.tree_lens < 0).any():
+                raise ValueError("tree_lens needs one length >= 0 per row")
+            if int(self.tree_lens.sum()) != self.tree_tokens.size:
+                raise ValueError("tree_lens must add up to the size of tree_tokens")
         return self
 
 
@@ -216,6 +242,7 @@ Request = Annotated[
     | Goodbye
     | Stats
     | Check
+    | FlushCache
     | AllocRow
     | FreeRow
     | MatchPrefix

@@ -2,6 +2,7 @@
 
 from memsvc.core.allocator import PageAllocator
 from memsvc.core.backends import attach, create_buffers
+from memsvc.core.hicache import HiCacheConfig, HiRadixCache
 from memsvc.core.host_store import HostStore
 from memsvc.core.layout import PoolLayout
 from memsvc.core.pool import KVPool, ReqKV
@@ -9,6 +10,8 @@ from memsvc.core.radix_cache import RadixCache
 from memsvc.core.req_to_token import ReqToTokenTable
 
 __all__ = [
+    "HiCacheConfig",
+    "HiRadixCache",
     "HostStore",
     "KVPool",
     "PageAllocator",

@@ -7,6 +7,8 @@ Used by every test that touches memory and by memsvc's ``check`` op::
     available + evictable + protected + held == capacity
     a node's lock_ref == the open requests whose locked prefix passes through it
     idle:  nothing open, nothing protected, host store empty
+    hicache: the tree's check covers the host and storage tiers (each page in one
+             node, bytes accounted); idle adds the storage files == the tree's index
 """
 
 from __future__ import annotations
@@ -118,7 +120,15 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
     ):
         problems.append("host store byte accounting is off")
 
+    hicache = getattr(pool, "hicache", None)
     if idle:
+        if hicache is not None:
+            if pool._loading:
+                problems.append(f"idle but {len(pool._loading)} prefix loads are tracked")
+            try:
+                hicache.check_storage_files()
+            except IntegrityError as exc:
+                problems.append(str(exc))
         if pool.open_rids():
             problems.append(f"idle but {len(pool.open_rids())} requests are open")
         if pool.protected_size():

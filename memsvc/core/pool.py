@@ -33,11 +33,14 @@ from memsvc.core.allocator import (
 from memsvc.core.backends import create_buffers
 from memsvc.core.decode_rows import DecodeRows
 from memsvc.core.errors import (
+    CopyFailedError,
     DuplicateRequestError,
     InvalidArgumentError,
     OutOfRowsError,
     UnknownRequestError,
 )
+from memsvc.core.fence import CopyFence
+from memsvc.core.hicache import HiCacheConfig, HiRadixCache
 from memsvc.core.host_store import HostStore
 from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
@@ -70,6 +73,17 @@ class ReqKV:
         self.kv_lens[self.row] = value
 
 
+@dataclass(frozen=True)
+class TierMatch:
+    """A prefix match over the tiers: ``prefix_len`` = device + host + storage tokens."""
+
+    prefix_len: int
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    load_pending: bool  # a copy may still be filling the loaded pages
+
+
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     array = np.asarray(token_ids, dtype=np.int64)
     if array.ndim != 1:
@@ -87,6 +101,7 @@ class KVPool:
         disable_radix_cache: bool = False,
         backend_options: dict[str, Any] | None = None,
         async_offload: bool = False,
+        hicache: HiCacheConfig | None = None,
     ) -> None:
         self.layout = layout
         # Offload copies return before they finish; freed pages wait for them.
@@ -95,7 +110,15 @@ class KVPool:
         try:
             self.allocator = PageAllocator(layout.num_pages, layout.page_size)
             self.table = ReqToTokenTable(self.buffers)
-            self.tree = RadixCache(self.allocator, disabled=disable_radix_cache)
+            self.hicache: HiRadixCache | None = None
+            if hicache is not None:
+                if disable_radix_cache:
+                    raise InvalidArgumentError(
+                        "the hierarchical cache needs the radix cache (drop --disable-radix-cache)"
+                    )
+                self.tree = self.hicache = HiRadixCache(self.allocator, self.buffers, hicache)
+            else:
+                self.tree = RadixCache(self.allocator, disabled=disable_radix_cache)
             self.host_store = HostStore(self.buffers, host_store_bytes)
         except BaseException:
             self.buffers.close()
@@ -107,6 +130,8 @@ class KVPool:
         # Bumped whenever a request opens or closes: a batch of rows checked at
         # one generation is still valid while the generation is unchanged.
         self.rows_generation = 0
+        # rid -> (node, copy) loading its matched prefix (hicache): alloc_extend waits for them.
+        self._loading: dict[str, list[tuple[TreeNode, CopyFence]]] = {}
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -190,12 +215,94 @@ class KVPool:
             raise InvalidArgumentError(
                 f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
             )
+        if self.hicache is not None:
+            return self.match_prefix_tiers(rid, tokens).prefix_len
         match = self.tree.match_prefix(tokens)
         self.tree.lock(match.last_node)
         self.table.write(req.row, 0, match.slots)
         req.last_node = match.last_node
         req.kv_len = req.protected_len = int(match.slots.size)
         return req.kv_len
+
+    def match_prefix_tiers(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> TierMatch:
+        """:meth:`match_prefix` over all tiers (hicache): host / storage hits are loaded
+        into fresh device pages; the rid's next :meth:`alloc_extend` waits for that copy."""
+        req = self.request(rid)
+        if req.kv_len:
+            raise InvalidArgumentError(f"request {rid!r} already holds {req.kv_len} KV positions")
+        tokens = as_token_array(token_ids)
+        if tokens.size > self.table.max_context_len:
+            raise InvalidArgumentError(
+                f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
+            )
+        if self.hicache is None:
+            prefix_len = self.match_prefix(rid, tokens)
+            return TierMatch(prefix_len, prefix_len, 0, 0, False)
+        for _ in range(len(tokens) // self.page_size + 1):
+            match = self.hicache.match_and_load(tokens)
+            failed = [n for n, f in match.loads if f.done() and f.error() is not None]
+            if not failed:
+                break
+            self._drop_failed_loads(failed)  # a load that failed earlier: drop it, match again
+        self.tree.lock(match.last_node)
+        self.table.write(req.row, 0, match.slots)
+        req.last_node = match.last_node
+        req.kv_len = req.protected_len = int(match.slots.size)
+        if match.loads:
+            self._loading[rid] = match.loads
+        return TierMatch(
+            req.kv_len,
+            match.device_tokens,
+            match.host_tokens,
+            match.storage_tokens,
+            match.load_pending,
+        )
+
+    def wait_loaded(self, rid: str) -> None:
+        """Block until the KV loaded for ``rid``'s matched prefix is in its pages.
+
+        A load that failed (a storage page lost) raises ``CopyFailedError``
+        after dropping those nodes from the tree and resetting every request
+        that holds them to an empty row (no KV, nothing locked): such a
+        request matches again (or is freed) and recomputes.
+        """
+        loads = self._loading.pop(rid, None)
+        if not loads:
+            return
+        failed, failure = [], None
+        for node, fence in loads:
+            fence.wait()
+            if fence.error() is None:
+                if node.load_fence is fence:
+                    node.load_fence = None
+            else:
+                failed.append(node)
+                failure = fence.error()
+        if failed:
+            self._drop_failed_loads(failed)
+            raise CopyFailedError(
+                f"loading the cached prefix of {rid!r} failed ({failure}); the prefix was "
+                "dropped from the cache and the request holds no KV now: match it again"
+            )
+
+    def _drop_failed_loads(self, nodes: list[TreeNode]) -> None:
+        failed = {id(n) for n in nodes}
+        for req in self._reqs.values():
+            node, holds = req.last_node, False
+            while node is not None and node is not self.tree.root:
+                if id(node) in failed:
+                    holds = True
+                    break
+                node = node.parent
+            if not holds:
+                continue
+            self.allocator.free(self.table.read(req.row, req.protected_len, req.kv_len))
+            self.tree.unlock(req.last_node)
+            self.table.write(req.row, 0, np.zeros(req.kv_len, dtype=SLOT_DTYPE))
+            req.kv_len = req.protected_len = 0
+            req.last_node = self.tree.root
+            self._loading.pop(req.rid, None)
+        self.hicache.discard_failed(nodes)
 
     def extend_tokens_required(self, items: Iterable[tuple[str, int]]) -> int:
         """Free slots an :meth:`alloc_extend` of ``items`` would consume."""
@@ -230,6 +337,9 @@ class KVPool:
         """
         items = list(items)
         total_pages, per_request = self._pages_for_extend(items)
+        if self._loading:
+            for rid, _ in items:
+                self.wait_loaded(rid)
         if evict:
             self.ensure_available(total_pages * self.page_size)
         if total_pages > self.allocator.num_free_pages:
@@ -289,17 +399,29 @@ class KVPool:
         *,
         offload: bool | np.ndarray,
         retract_decode_steps: int,
+        to_tree: dict[int, np.ndarray] | None = None,
     ) -> RetractResult:
         """Release requests from the end of ``rows`` until the next decode step fits.
 
         See :func:`memsvc.core.retract.retract_until_fits`.
         """
         return retract_until_fits(
-            self, rows, offload=offload, retract_decode_steps=retract_decode_steps
+            self,
+            rows,
+            offload=offload,
+            retract_decode_steps=retract_decode_steps,
+            to_tree=to_tree,
         )
 
     def evict(self, num_tokens: int) -> int:
         return self.tree.evict(num_tokens)
+
+    def flush_cache(self, *, device_only: bool = False) -> int:
+        """Evict every unlocked prefix (and, with the hierarchy, drop the host and storage
+        copies unless ``device_only``); returns the device tokens evicted."""
+        if self.hicache is not None and not device_only:
+            return self.hicache.flush()
+        return self.tree.evict(self.tree.evictable_size())
 
     def ensure_available(self, num_tokens: int) -> None:
         """Evict from the tree only what is missing for ``num_tokens`` free slots."""
@@ -334,6 +456,8 @@ class KVPool:
         evictable), everything after it is freed, nothing is inserted.
         """
         req = self.request(rid)
+        if self._loading:
+            self._loading.pop(rid, None)  # its pages stay pending behind the copy if freed
         if is_insert:
             if token_ids is None:
                 raise InvalidArgumentError("release with is_insert=True needs the token ids")
@@ -352,6 +476,34 @@ class KVPool:
         del self._reqs[rid]
         del self._rids_by_row[req.row]
         self.rows_generation += 1
+
+    def check_tree_tokens(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Raise unless ``token_ids`` can be ``rid``'s :meth:`release_to_tree` tokens."""
+        if self.hicache is None:
+            raise InvalidArgumentError(
+                "retracting into the tree needs the hierarchical cache "
+                "(--enable-hierarchical-cache)"
+            )
+        req = self.request(rid)
+        tokens = self._committed_tokens(req, token_ids)
+        locked = self.tree._path_key(req.last_node)
+        if not np.array_equal(tokens[: locked.size], locked):
+            raise InvalidArgumentError(
+                f"token ids of {rid!r} differ from the cached prefix it holds"
+            )
+
+    def release_to_tree(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
+        """Close ``rid`` inserting its KV into the tree, and back its path up to the host
+        tier now (hicache; a normal-mode retract victim); returns the bytes copied."""
+        if self.hicache is None:
+            raise InvalidArgumentError(
+                "retracting into the tree needs the hierarchical cache "
+                "(--enable-hierarchical-cache)"
+            )
+        before = self.hicache.stats.backup_bytes  # write_through copies on the insert itself
+        self.release(rid, token_ids, is_insert=True)
+        self.hicache.backup_prefix(token_ids)
+        return self.hicache.stats.backup_bytes - before
 
     def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         tokens = as_token_array(token_ids)
@@ -408,6 +560,8 @@ class KVPool:
 
     def settle_copies(self) -> None:
         """Wait for every offload copy in flight; pages waiting on them become free."""
+        if self.hicache is not None:
+            self.hicache.settle()
         self.allocator.drain()
 
     def check_integrity(self, *, idle: bool = False) -> None:
@@ -419,6 +573,8 @@ class KVPool:
 
     def close(self) -> None:
         self.settle_copies()
+        if self.hicache is not None:
+            self.hicache.close()
         self.buffers.close()
 
     def __enter__(self) -> KVPool:

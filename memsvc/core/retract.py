@@ -11,7 +11,7 @@ scheduler needs one round trip for it::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +29,8 @@ class RetractResult:
     tokens_gained: int  # available + evictable after minus before
     last_does_not_fit: bool  # one request left and its next step still does not fit
     offloaded_bytes: int = 0  # copied to the host store for the retracted victims
+    to_tree: list[str] = field(default_factory=list)  # of ``retracted``: KV kept in the tree
+    tree_bytes: int = 0  # copied to the hicache host tier for them
 
 
 def retract_until_fits(
@@ -37,6 +39,7 @@ def retract_until_fits(
     *,
     offload: bool | np.ndarray,
     retract_decode_steps: int,
+    to_tree: dict[int, np.ndarray] | None = None,
 ) -> RetractResult:
     """Release requests from the end of ``rows`` until the next decode step fits.
 
@@ -47,9 +50,15 @@ def retract_until_fits(
     freed prefix is usable at once. With ``offload`` (a bool, or one per row) a
     victim's KV goes to the host store first; a victim the store cannot take
     is released all the same and reported in ``offload_failed`` (the scheduler
-    decides: abort it or re-prefill it). Retracted requests are closed (their
-    rows freed).
+    decides: abort it or re-prefill it). A victim whose row is in ``to_tree``
+    (row -> its committed token ids; hicache) is instead inserted into the
+    radix tree and backed up to its host tier (:meth:`KVPool.release_to_tree`),
+    so its re-admission finds its KV by a prefix match. Retracted requests are
+    closed (their rows freed).
     """
+    to_tree = to_tree or {}
+    for row, tokens in to_tree.items():  # validated before anything changes
+        pool.check_tree_tokens(pool.rid_of_row(row), tokens)
     order = pool.check_rows(np.asarray(rows)).tolist()
     to_host = dict.fromkeys(order, offload) if isinstance(offload, bool) else None
     if to_host is None:
@@ -57,7 +66,8 @@ def retract_until_fits(
     tokens_before = pool.available_size() + pool.evictable_size()
     retracted: list[str] = []
     offload_failed: list[str] = []
-    offloaded_bytes = 0
+    offloaded_bytes = tree_bytes = 0
+    tree_rids: list[str] = []
     first = True
     while first or not pool.check_decode_mem_rows(np.asarray(order, dtype=np.int64)):
         if len(order) <= 1:
@@ -66,6 +76,12 @@ def retract_until_fits(
         row = order.pop()
         rid = pool.rid_of_row(row)
         victims = retracted
+        if row in to_tree:
+            tree_bytes += pool.release_to_tree(rid, to_tree[row])
+            retracted.append(rid)
+            tree_rids.append(rid)
+            pool.ensure_available(len(order) * retract_decode_steps)
+            continue
         if to_host[row]:
             try:
                 offloaded_bytes += pool.offload(rid)
@@ -83,4 +99,6 @@ def retract_until_fits(
         tokens_gained=pool.available_size() + pool.evictable_size() - tokens_before,
         last_does_not_fit=last_does_not_fit,
         offloaded_bytes=offloaded_bytes,
+        to_tree=tree_rids,
+        tree_bytes=tree_bytes,
     )

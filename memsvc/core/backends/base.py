@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,16 @@ class KVBuffers(ABC):
         then. Copies finish in issue order. This default copies synchronously.
         """
         self.copy_out(slots, out)
+        return DONE
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> CopyFence:
+        """Run ``fn(*args)`` after every copy issued before it; the fence says when it ended.
+
+        The hierarchical cache's copies (device <-> host tier, storage I/O)
+        run this way, in issue order with the offload copies. This default
+        runs it at once (an exception propagates) and returns a done fence.
+        """
+        fn(*args)
         return DONE
 
     def copy_in(self, src: np.ndarray, slots: np.ndarray) -> None:

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -153,6 +154,12 @@ class ShmBuffers(KVBuffers):
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         # slots may be a view of a row that is zeroed when the request closes
         return FutureFence(self._copier.submit(self.copy_out, slots.copy(), out))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> CopyFence:
+        """On the copy thread, after every copy issued before it."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
+        return FutureFence(self._copier.submit(fn, *args))
 
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         page_size = self.layout.page_size

@@ -1,0 +1,879 @@
+"""Hierarchical prefix cache: the radix tree over three tiers (SGLang's HiCache).
+
+A node's KV lives in the device pool (``value``: its slots), in the host tier
+(``host_pages``: pages of a host arena), in the storage tier (``on_disk``: one
+page block per page, keyed by the hash of the token ids from the root to the
+end of that page), or in several at once::
+
+    root ─ A[dev+host] ─ B[dev] ─ C[host]      a path: device nodes first,
+                        └ D[host] ─ E[disk]      then host / disk-only nodes
+
+Invariants (:meth:`HiRadixCache.check`): every node holds its KV in at least
+one tier; the device-resident nodes are closed under parent (the parent of a
+device node is on the device too), so a match is a run of device nodes
+followed by host / storage nodes; a locked node is on the device; every
+device, host and storage page belongs to exactly one node; the evictable and
+protected counters count device tokens only (as :class:`RadixCache`'s).
+
+Write policies (``--hicache-write-policy``, SGLang's names): ``write_through``
+copies a node to host when it is inserted; ``write_through_selective`` once it
+has been hit :data:`WRITE_THROUGH_SELECTIVE_THRESHOLD` times; ``write_back``
+when it is evicted from the device. Evicting a device leaf keeps the node if
+it has a host or storage copy, else drops it (and the host / storage-only
+subtree below it, which nothing could reach any more). The host tier has its
+own LRU: evicting a host copy demotes it to storage when a storage tier is
+configured, else drops the node (leaves only). Storage has its own LRU too.
+
+A match that runs into host / storage nodes loads them into fresh device pages
+(evicting device LRU leaves, never the matched path) before it returns; what
+does not fit is not loaded. Every copy (device <-> host, host -> storage,
+storage -> device, storage deletes) runs as one job on the buffers' copy
+thread (:meth:`KVBuffers.submit`), in issue order, so:
+
+- a load is fenced: the node keeps the job's fence (``load_fence``) and the
+  pool makes the request's next ``alloc_extend`` wait for it; pages it writes
+  that are freed meanwhile stay pending behind it (``allocator.copy_issued``);
+- a host page or storage key freed while a job still reads it is reused only by
+  a later job, which runs after it: a load never races an eviction, nor a
+  write-back a free, and no op ever waits except on the loads it hands out.
+
+No lock outlives an op on the host or storage tier (ops are atomic and the
+copies ordered), so session expiry has nothing to release there beyond the
+request locks the pool releases.
+
+Restart: the host tier is process memory and is lost with memsvc. The storage
+tier is **discarded** when a cache is created (its backend's
+``discard_all``): its index was the tree, which died with the process, so
+nothing a previous memsvc left is trusted, half or whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
+from memsvc.core.backends.base import KVBuffers
+from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.fence import DONE, CopyFence
+from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_len
+from memsvc.core.storage import StorageBackend, create_storage
+
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang's: hits before a node is backed up
+_EMPTY = np.empty(0, dtype=SLOT_DTYPE)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """``--hicache-*``: sizes in bytes (the flags take GB)."""
+
+    ratio: float = 2.0  # SGLang's default in cache mode
+    size_bytes: int = 0  # > 0 overrides ratio
+    write_policy: str = "write_through"  # SGLang's default
+    storage_backend: str | None = None
+    storage_dir: str = "/tmp/kvstack-hicache"
+    storage_size_bytes: int = 0  # 0: 4 x the host tier
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidArgumentError(
+                f"hicache write policy {self.write_policy!r} is not one of {WRITE_POLICIES}"
+            )
+        if self.ratio <= 0 and self.size_bytes <= 0:
+            raise InvalidArgumentError("the host tier needs --hicache-ratio > 0 or --hicache-size")
+        if self.size_bytes < 0 or self.storage_size_bytes < 0:
+            raise InvalidArgumentError("hicache sizes must be >= 0")
+
+    def host_pages(self, device_pages: int, page_bytes: int) -> int:
+        if self.size_bytes > 0:
+            return self.size_bytes // page_bytes
+        return int(device_pages * self.ratio)
+
+    def storage_pages(self, host_pages: int, page_bytes: int) -> int:
+        if self.storage_size_bytes > 0:
+            return self.storage_size_bytes // page_bytes
+        return 4 * host_pages
+
+
+@dataclass(slots=True, eq=False)
+class HiTreeNode(TreeNode):
+    host_pages: np.ndarray | None = None  # host arena page per page of the key
+    on_disk: bool = False  # every page of the key is in the storage tier
+    hashes: list[str] | None = None  # storage keys, one per page (computed on demand)
+    hit_count: int = 0
+    load_fence: CopyFence | None = None  # the copy loading ``value`` (None: no load)
+
+
+@dataclass
+class HiMatch:
+    slots: np.ndarray  # device slots of the whole matched (and loaded) prefix
+    last_node: TreeNode
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    # (node, fence) of every matched node whose load has not been seen to succeed: wait
+    # on each before the pages are read; a failed one is dropped (KVPool.wait_loaded).
+    loads: list[tuple[TreeNode, CopyFence]]
+
+    @property
+    def load_pending(self) -> bool:
+        return any(not fence.done() for _, fence in self.loads)
+
+
+@dataclass
+class HiCacheStats:
+    hit_tokens: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0}
+    )
+    load_bytes: int = 0
+    load_tokens: int = 0
+    load_seconds: float = 0.0
+    backup_bytes: int = 0
+    backup_tokens: int = 0
+    backup_seconds: float = 0.0
+    storage_write_bytes: int = 0
+    storage_read_bytes: int = 0
+    storage_seconds: float = 0.0
+    dropped_tokens: int = 0
+    backups: int = 0  # copy jobs, for the duration summaries
+    loads: int = 0
+
+
+class HostTier:
+    """A host arena of whole pool pages with a free list (no entries: the tree indexes it)."""
+
+    def __init__(self, buffers: KVBuffers, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.page_bytes = buffers.layout.bytes_per_page
+        self.arena = buffers.alloc_host(num_pages)
+        self.arena.view(np.uint8).reshape(-1)[::4096] = 0  # fault every OS page in now
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)  # stack: page 0 first
+        self._num_free = num_pages
+        self.in_use = np.zeros(num_pages, dtype=bool)
+
+    @property
+    def free_pages(self) -> int:
+        return self._num_free
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self._num_free
+
+    def alloc(self, n: int) -> np.ndarray | None:
+        if n > self._num_free:
+            return None
+        top = self._num_free
+        pages = self._free[top - n : top][::-1].copy()
+        self._num_free -= n
+        self.in_use[pages] = True
+        return pages
+
+    def free(self, pages: np.ndarray) -> None:
+        if not self.in_use[pages].all():
+            raise IntegrityError("host tier: freeing a host page that is not in use")
+        self.in_use[pages] = False
+        top = self._num_free
+        self._free[top : top + pages.size] = pages[::-1]
+        self._num_free += pages.size
+
+    def free_list(self) -> np.ndarray:
+        return self._free[: self._num_free].copy()
+
+
+def page_hash_chain(prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
+    """Storage keys of consecutive pages: each hashes the previous key and its page's tokens."""
+    out = []
+    for start in range(0, len(tokens), page_size):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(prev.encode())
+        digest.update(np.ascontiguousarray(tokens[start : start + page_size]).tobytes())
+        prev = digest.hexdigest()
+        out.append(prev)
+    return out
+
+
+def _page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(index, first, length)`` per run of consecutive values."""
+    if pages.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), pages.size]
+    return [(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+class HiRadixCache(RadixCache):
+    """:class:`RadixCache` whose nodes may live in the host and storage tiers too."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        buffers: KVBuffers,
+        config: HiCacheConfig,
+        *,
+        storage: StorageBackend | None = None,
+    ) -> None:
+        super().__init__(allocator)
+        self.buffers = buffers
+        self.config = config
+        self.write_policy = config.write_policy
+        page_bytes = buffers.layout.bytes_per_page
+        self.page_bytes = page_bytes
+        self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
+        try:
+            if storage is None and config.storage_backend is not None:
+                storage = create_storage(config.storage_backend, config.storage_dir, page_bytes)
+            if storage is not None:
+                storage.discard_all()  # restart: never trust what a previous memsvc left
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"hicache storage directory {config.storage_dir!r} is unusable: {exc}"
+            ) from exc
+        self.storage = storage
+        self.storage_capacity_pages = (
+            config.storage_pages(self.host.num_pages, page_bytes) if storage else 0
+        )
+        self._storage_keys: set[str] = set()
+        self.stats = HiCacheStats()
+        self._last_fence: CopyFence = DONE
+
+    def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
+        self._num_nodes_created += 1
+        return HiTreeNode(key, value, parent, self._num_nodes_created)
+
+    # -- sizes -------------------------------------------------------------------
+
+    def host_used_tokens(self) -> int:
+        return self.host.used_pages * self.page_size
+
+    def host_capacity_tokens(self) -> int:
+        return self.host.num_pages * self.page_size
+
+    def storage_used_bytes(self) -> int:
+        return len(self._storage_keys) * self.page_bytes
+
+    def storage_capacity_bytes(self) -> int:
+        return self.storage_capacity_pages * self.page_bytes
+
+    def tier_tokens(self) -> dict[str, int]:
+        """Tokens by where their KV is: on the device, host-only, storage-only."""
+        out = {"device": 0, "host_only": 0, "storage_only": 0}
+        for node in self.iter_nodes():
+            if node.value.size:
+                out["device"] += len(node.key)
+            elif node.host_pages is not None:
+                out["host_only"] += len(node.key)
+            else:
+                out["storage_only"] += len(node.key)
+        return out
+
+    # -- copies ------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, pool_pages: bool) -> CopyFence:
+        fence = self.buffers.submit(fn, *args)
+        self._last_fence = fence
+        if pool_pages and not fence.done():
+            # Pages freed from now on wait for it. (A copy that ran synchronously must not
+            # replace the fence of an asynchronous offload still running.)
+            self.allocator.copy_issued(fence)
+        return fence
+
+    def settle(self) -> None:
+        """Wait for every copy issued so far."""
+        self._last_fence.wait()
+
+    def _job_to_host(self, dev_pages: np.ndarray, host_pages: np.ndarray) -> None:
+        started = time.perf_counter()
+        arena = self.host.arena
+        for index, first, length in _page_runs(host_pages):
+            self.buffers.gather_pages(
+                dev_pages[index : index + length], arena[first : first + length]
+            )
+        self.stats.backup_seconds += time.perf_counter() - started
+
+    def _job_from_host(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> None:
+        started = time.perf_counter()
+        arena = self.host.arena
+        for index, first, length in _page_runs(host_pages):
+            self.buffers.scatter_pages(
+                arena[first : first + length], dev_pages[index : index + length]
+            )
+        self.stats.load_seconds += time.perf_counter() - started
+
+    def _job_host_to_storage(self, host_pages: np.ndarray, keys: list[str]) -> None:
+        started = time.perf_counter()
+        for page, key in zip(host_pages.tolist(), keys, strict=True):
+            self.storage.put(key, self.host.arena[page])
+        self.stats.storage_seconds += time.perf_counter() - started
+
+    def _job_from_storage(self, keys: list[str], dev_pages: np.ndarray) -> None:
+        started = time.perf_counter()
+        staging = self.buffers.alloc_host(len(keys))
+        for i, key in enumerate(keys):
+            if not self.storage.get(key, staging[i]):
+                raise OSError(f"storage tier lost page {key}")
+        self.buffers.scatter_pages(staging, dev_pages)
+        self.stats.load_seconds += time.perf_counter() - started
+
+    def _job_storage_delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self.storage.delete(key)
+
+    # -- match and insert ----------------------------------------------------------
+
+    def _walk(self, key: np.ndarray) -> tuple[list[TreeNode], int]:
+        """Nodes matched by ``key`` (all tiers), splitting the last; stamps access times."""
+        self._clock += 1
+        node, matched, path = self.root, 0, []
+        while matched < len(key):
+            child = node.children.get(self._page_key(key, matched))
+            if child is None:
+                break
+            child.last_access_time = self._clock
+            common = _common_len(child.key, key[matched:], self.page_size)
+            if common < len(child.key):
+                child = self._split(child, common)
+            path.append(child)
+            matched += common
+            node = child
+        return path, matched
+
+    def match_prefix(self, token_ids: object) -> MatchResult:
+        """The device part of the match only (no loading)."""
+        key = self._as_key(token_ids)
+        path, _ = self._walk(key)
+        device = [n for n in path if n.value.size]
+        slots = np.concatenate([n.value for n in device]) if device else _EMPTY.copy()
+        return MatchResult(slots, device[-1] if device else self.root)
+
+    def match_and_load(self, token_ids: object) -> HiMatch:
+        """Longest prefix in any tier; host / storage parts loaded into fresh device pages.
+
+        The caller locks ``last_node`` before anything else can evict; the
+        pages are readable once ``fence`` is done.
+        """
+        key = self._as_key(token_ids)
+        path, _ = self._walk(key)
+        num_device = 0
+        while num_device < len(path) and path[num_device].value.size:
+            num_device += 1
+        device_tokens = sum(len(n.key) for n in path[:num_device])
+        self._count_hits(path[:num_device], protect={id(n) for n in path})
+        last_device = path[num_device - 1] if num_device else self.root
+        tail = path[num_device:]
+        loaded: list[TreeNode] = []
+        host_tokens = storage_tokens = 0
+        if tail:
+            self.lock(last_device)  # the matched device path is never evicted for the load
+            try:
+                need = sum(len(n.key) for n in tail) // self.page_size
+                shortfall = need - self.allocator.num_free_pages
+                if shortfall > 0:
+                    self._evict_device(shortfall * self.page_size, protect=set(map(id, tail)))
+                budget = self.allocator.num_free_pages
+                for node in tail:
+                    num_pages = len(node.key) // self.page_size
+                    if budget <= 0:
+                        break
+                    partial = num_pages > budget
+                    if partial:
+                        node = self._split(node, budget * self.page_size)
+                        num_pages = budget
+                    from_host = node.host_pages is not None
+                    self._load(node)
+                    if from_host:
+                        host_tokens += len(node.key)
+                    else:
+                        storage_tokens += len(node.key)
+                    loaded.append(node)
+                    budget -= num_pages
+                    if partial:
+                        break
+            finally:
+                self.unlock(last_device)
+        matched = path[:num_device] + loaded
+        hits = self.stats.hit_tokens
+        hits["device"] += device_tokens
+        hits["host"] += host_tokens
+        hits["storage"] += storage_tokens
+        loads = []
+        for n in matched:
+            fence = n.load_fence
+            if fence is not None:
+                if fence.done() and fence.error() is None:
+                    n.load_fence = None
+                else:
+                    loads.append((n, fence))
+        slots = np.concatenate([n.value for n in matched]) if matched else _EMPTY.copy()
+        return HiMatch(
+            slots,
+            matched[-1] if matched else self.root,
+            device_tokens,
+            host_tokens,
+            storage_tokens,
+            loads,
+        )
+
+    def _count_hits(self, nodes: Iterable[TreeNode], protect: set[int]) -> None:
+        selective = self.write_policy == "write_through_selective"
+        for node in nodes:
+            node.hit_count += 1
+            if (
+                selective
+                and node.host_pages is None
+                and node.hit_count >= WRITE_THROUGH_SELECTIVE_THRESHOLD
+            ):
+                self._backup(node, protect)
+
+    def _load(self, node: TreeNode) -> None:
+        """Give an off-device node fresh device pages and issue the copy filling them."""
+        num_pages = len(node.key) // self.page_size
+        pages = self.allocator.alloc_pages(num_pages, owner=OWNER_TREE)
+        if node.host_pages is not None:
+            fence = self._submit(
+                self._job_from_host, node.host_pages.copy(), pages, pool_pages=True
+            )
+        else:
+            keys = list(self._hashes(node))
+            fence = self._submit(self._job_from_storage, keys, pages, pool_pages=True)
+            self.stats.storage_read_bytes += num_pages * self.page_bytes
+        self.stats.load_bytes += num_pages * self.page_bytes
+        self.stats.load_tokens += len(node.key)
+        self.stats.loads += 1
+        node.value = self.allocator.pages_to_slots(pages)
+        node.load_fence = fence
+        self._num_evictable_tokens += len(node.key)  # off-device nodes are never locked
+
+    def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
+        """Insert; off-device nodes on the path take the caller's slots (its KV is the same)."""
+        path, matched = self._walk(key)
+        num_device = 0
+        while num_device < len(path) and path[num_device].value.size:
+            num_device += 1
+        device_len = sum(len(n.key) for n in path[:num_device])
+        at = device_len
+        for node in path[num_device:]:
+            node.value = slots[at : at + len(node.key)].copy()
+            node.load_fence = None
+            self._num_evictable_tokens += len(node.key)
+            at += len(node.key)
+        node = path[-1] if path else self.root
+        values = [n.value for n in path]
+        new = list(path[num_device:])
+        if matched < len(key):
+            leaf = self._new_node(key[matched:].copy(), slots[matched:].copy(), node)
+            leaf.last_access_time = self._clock
+            node.children[self._page_key(leaf.key)] = leaf
+            self._num_evictable_tokens += len(leaf.key)
+            values.append(leaf.value)
+            node = leaf
+            new.append(leaf)
+        if self.write_policy == "write_through":
+            # After the whole path is in place: making host room must not drop part of it.
+            protect = {id(n) for n in path} | {id(node)}
+            for n in new:
+                if n.host_pages is None:
+                    self._backup(n, protect)
+        return device_len, node, values
+
+    def backup_prefix(self, token_ids: object) -> int:
+        """Give every device node on ``token_ids``' cached path a host copy; returns bytes."""
+        path, _ = self._walk(self._as_key(token_ids))
+        before = self.stats.backup_bytes
+        protect = set(map(id, path))
+        for node in path:
+            if node.value.size and node.host_pages is None:
+                self._backup(node, protect)
+        return self.stats.backup_bytes - before
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        upper = super()._split(node, split_len)
+        num_pages = split_len // self.page_size
+        if node.host_pages is not None:
+            upper.host_pages = node.host_pages[:num_pages]
+            node.host_pages = node.host_pages[num_pages:]
+        if node.hashes is not None:
+            upper.hashes = node.hashes[:num_pages]
+            node.hashes = node.hashes[num_pages:]
+        upper.on_disk = node.on_disk
+        upper.hit_count = node.hit_count
+        upper.load_fence = node.load_fence
+        return upper
+
+    def _hashes(self, node: TreeNode) -> list[str]:
+        """The node's storage keys (hash chain from the root), computed once."""
+        chain = []
+        at = node
+        while at is not self.root and at.hashes is None:
+            chain.append(at)
+            at = at.parent
+        prev = "" if at is self.root else at.hashes[-1]
+        for n in reversed(chain):
+            n.hashes = page_hash_chain(prev, n.key, self.page_size)
+            prev = n.hashes[-1]
+        return node.hashes
+
+    # -- the host tier -------------------------------------------------------------
+
+    def _load_state(self, node: TreeNode) -> str:
+        """``"ok"`` (no load, or it succeeded), ``"pending"`` or ``"failed"``; never waits."""
+        fence = node.load_fence
+        if fence is None:
+            return "ok"
+        if not fence.done():
+            return "pending"
+        if fence.error() is None:
+            node.load_fence = None
+            return "ok"
+        return "failed"
+
+    def _backup(self, node: TreeNode, protect: set[int]) -> bool:
+        """Copy a device node to the host tier (making room there); False if it cannot."""
+        if self._load_state(node) != "ok":
+            # Loaded from a copy it still has (host or storage): a backup can wait until
+            # the load is known good; one that failed must never be copied anywhere.
+            return False
+        num_pages = len(node.key) // self.page_size
+        host_pages = self._host_alloc(num_pages, protect | {id(node)})
+        if host_pages is None:
+            return False
+        dev_pages = node.value[:: self.page_size] // self.page_size
+        self._submit(self._job_to_host, dev_pages, host_pages, pool_pages=True)
+        node.host_pages = host_pages
+        self.stats.backup_bytes += num_pages * self.page_bytes
+        self.stats.backup_tokens += len(node.key)
+        self.stats.backups += 1
+        return True
+
+    def _host_alloc(self, num_pages: int, protect: set[int]) -> np.ndarray | None:
+        if num_pages > self.host.num_pages:
+            return None
+        if num_pages > self.host.free_pages:
+            self._evict_host(num_pages - self.host.free_pages, protect)
+        return self.host.alloc(num_pages)
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        if node.host_pages is None or node.parent is None:
+            return False
+        if node.value.size or node.on_disk or self.storage is not None:
+            return True
+        return not node.children  # dropping it must orphan nothing
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free ``num_pages`` host pages (LRU); returns the pages freed."""
+        before = self.host.free_pages
+        self._evict_host(num_pages, set())
+        return self.host.free_pages - before
+
+    def _evict_host(self, num_pages: int, protect: set[int]) -> None:
+        """Host LRU, copies of device nodes last: demote to storage (if any), else free the
+        copy of a device node, else drop a host-only leaf."""
+        heap = [
+            (bool(n.value.size), n.last_access_time, n.node_id, n)
+            for n in self.iter_nodes()
+            if id(n) not in protect and self._host_evictable(n)
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            *_, node = heapq.heappop(heap)
+            if node.parent is None or not self._host_evictable(node):
+                continue  # dropped meanwhile
+            pages = node.host_pages
+            if node.on_disk:
+                self._free_host(node)
+            elif self.storage is not None and self._demote(node, protect):
+                pass
+            elif node.value.size:
+                self._free_host(node)
+            elif not node.children:
+                parent = node.parent
+                self._drop_subtree(node)
+                if id(parent) not in protect and self._host_evictable(parent):
+                    heapq.heappush(
+                        heap,
+                        (bool(parent.value.size), parent.last_access_time, parent.node_id, parent),
+                    )
+            else:
+                continue
+            freed += pages.size
+
+    def _free_host(self, node: TreeNode) -> None:
+        self.host.free(node.host_pages)
+        node.host_pages = None
+
+    def _demote(self, node: TreeNode, protect: set[int]) -> bool:
+        """Write a node's host pages to storage and free them."""
+        num_pages = len(node.key) // self.page_size
+        if not self._storage_reserve(num_pages, protect | {id(node)}):
+            return False
+        keys = list(self._hashes(node))
+        self._submit(self._job_host_to_storage, node.host_pages.copy(), keys, pool_pages=False)
+        self._storage_keys.update(keys)
+        node.on_disk = True
+        self.stats.storage_write_bytes += num_pages * self.page_bytes
+        self._free_host(node)
+        return True
+
+    # -- the storage tier ----------------------------------------------------------
+
+    def _storage_evictable(self, node: TreeNode) -> bool:
+        if not node.on_disk or node.parent is None:
+            return False
+        return bool(node.value.size) or node.host_pages is not None or not node.children
+
+    def _storage_reserve(self, num_pages: int, protect: set[int]) -> bool:
+        room = self.storage_capacity_pages - len(self._storage_keys)
+        if num_pages > self.storage_capacity_pages:
+            return False
+        if num_pages <= room:
+            return True
+        heap = [
+            (n.last_access_time, n.node_id, n)
+            for n in self.iter_nodes()
+            if id(n) not in protect and self._storage_evictable(n)
+        ]
+        heapq.heapify(heap)
+        while room < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._storage_evictable(node):
+                continue
+            room += len(node.key) // self.page_size
+            if node.value.size or node.host_pages is not None:
+                self._delete_storage(node)
+            else:
+                parent = node.parent
+                self._drop_subtree(node)
+                if id(parent) not in protect and self._storage_evictable(parent):
+                    heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+        return room >= num_pages
+
+    def _delete_storage(self, node: TreeNode) -> None:
+        keys = list(self._hashes(node))
+        self._storage_keys.difference_update(keys)
+        node.on_disk = False
+        self._submit(self._job_storage_delete, keys, pool_pages=False)
+
+    # -- device eviction -------------------------------------------------------------
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root
+            and node.lock_ref == 0
+            and bool(node.value.size)
+            and not any(c.value.size for c in node.children.values())
+        )
+
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
+        return self._evict_device(num_tokens, set()) if num_tokens else 0
+
+    def _evict_device(self, num_tokens: int, protect: set[int]) -> int:
+        """Free device leaves, LRU first; a leaf keeps its host / storage copy if it has one."""
+        heap = [
+            (n.last_access_time, n.node_id, n) for n in self.iter_nodes() if self._is_device_leaf(n)
+        ]
+        heapq.heapify(heap)
+        evicted = 0
+        while evicted < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            evicted += len(node.key)
+            self._evict_device_node(node, protect)
+            if self._is_device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+        return evicted
+
+    def _evict_device_node(self, node: TreeNode, protect: set[int]) -> None:
+        state = self._load_state(node)
+        if state == "failed":  # the copy it was loaded from is suspect too: drop it
+            if node.host_pages is not None:
+                self._free_host(node)
+            if node.on_disk:
+                self._delete_storage(node)
+        elif state == "ok" and node.host_pages is None and self.write_policy == "write_back":
+            self._backup(node, protect)
+        slots = node.value
+        node.value = _EMPTY
+        node.load_fence = None
+        self._num_evictable_tokens -= len(node.key)
+        self.allocator.free(slots)  # pending behind any copy still reading or writing them
+        if node.host_pages is None and not node.on_disk:
+            self._drop_subtree(node)
+
+    def flush(self) -> int:
+        """SGLang's flush_cache: every unlocked device node evicted and every copy off the
+        device (host and storage) dropped; locked paths stay on the device, copies freed.
+        Returns the device tokens evicted."""
+        evicted = self.evict(self.evictable_size())
+        # Device nodes are closed under parent: the off-device subtrees hang from the
+        # root or from a device node.
+        tops = [
+            n
+            for n in self.iter_nodes()
+            if not n.value.size and (n.parent is self.root or n.parent.value.size)
+        ]
+        for node in tops:
+            self._drop_subtree(node)
+        for node in self.iter_nodes():  # what is left is on the device: drop its copies
+            if node.host_pages is not None:
+                self._free_host(node)
+            if node.on_disk:
+                self._delete_storage(node)
+        return evicted
+
+    def discard_failed(self, nodes: Iterable[TreeNode]) -> None:
+        """Drop nodes whose load failed, and everything below them, from every tier.
+
+        The caller has released every request holding them (none ran a forward
+        on them: a request's ``alloc_extend`` waits for its loads first).
+        """
+        for node in nodes:
+            if node.parent is None:
+                continue  # already dropped with an ancestor
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                if n.lock_ref:
+                    raise IntegrityError(f"discarding node {n.node_id}, which is locked")
+                if n.value.size:
+                    slots, n.value = n.value, _EMPTY
+                    self._num_evictable_tokens -= len(n.key)
+                    self.allocator.free(slots)
+                n.load_fence = None
+            self._drop_subtree(node)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove an unlocked, off-device node and everything below it from all tiers."""
+        del node.parent.children[self._page_key(node.key)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.value.size:  # only the caller's node may still be counted: it is not
+                raise IntegrityError(f"dropping node {n.node_id}, which is on the device")
+            if n.host_pages is not None:
+                self._free_host(n)
+            if n.on_disk:
+                self._delete_storage(n)
+            self.stats.dropped_tokens += len(n.key)
+            n.parent = None
+            n.children = {}
+
+    # -- integrity -----------------------------------------------------------------
+
+    def check(self) -> None:
+        root, ps = self.root, self.page_size
+        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
+            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
+        num_tokens = {True: 0, False: 0}
+        host_pages, disk_keys = [], []
+        stack = [root]
+        while stack:
+            parent = stack.pop()
+            for page_key, node in parent.children.items():
+                where, key_len = f"node {node.node_id}", len(node.key)
+                if node.parent is not parent or self._page_key(node.key) != page_key:
+                    raise IntegrityError(f"{where}: wrong parent link or child key")
+                if not key_len or key_len % ps or len(node.value) not in (0, key_len):
+                    raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
+                on_device = bool(node.value.size)
+                if on_device and parent is not root and not parent.value.size:
+                    raise IntegrityError(f"{where}: on the device under an off-device parent")
+                if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
+                    raise IntegrityError(f"{where}: lock_ref {node.lock_ref}, parent's")
+                if node.lock_ref and not on_device:
+                    raise IntegrityError(f"{where}: locked but not on the device")
+                if not on_device and node.host_pages is None and not node.on_disk:
+                    raise IntegrityError(f"{where}: its KV is in no tier")
+                if node.host_pages is not None:
+                    if node.host_pages.size != key_len // ps:
+                        raise IntegrityError(f"{where}: {node.host_pages.size} host pages")
+                    host_pages.append(node.host_pages)
+                if node.hashes is not None and len(node.hashes) != key_len // ps:
+                    raise IntegrityError(f"{where}: {len(node.hashes)} storage keys")
+                if node.on_disk:
+                    disk_keys.extend(self._hashes(node))
+                if on_device:
+                    try:
+                        self._check_page_runs(node.value, where)
+                    except InvalidArgumentError as exc:
+                        raise IntegrityError(str(exc)) from exc
+                    num_tokens[node.lock_ref > 0] += key_len
+                stack.append(node)
+        counters = (self._num_evictable_tokens, self._num_protected_tokens)
+        if counters != (num_tokens[False], num_tokens[True]):
+            raise IntegrityError(
+                f"(evictable, protected) counters say {counters}, the tree holds"
+                f" {(num_tokens[False], num_tokens[True])}"
+            )
+        held = np.concatenate(host_pages) if host_pages else np.empty(0, np.int64)
+        if np.unique(held).size != held.size:
+            raise IntegrityError("host tier: a host page is in two nodes")
+        if held.size != self.host.used_pages or (held.size and not self.host.in_use[held].all()):
+            raise IntegrityError(
+                f"host tier: nodes hold {held.size} pages, {self.host.used_pages} in use"
+            )
+        free = self.host.free_list()
+        if np.unique(free).size != free.size or self.host.in_use[free].any():
+            raise IntegrityError("host tier: free list disagrees with pages in use")
+        if len(disk_keys) != len(set(disk_keys)) or set(disk_keys) != self._storage_keys:
+            raise IntegrityError(
+                f"storage tier: nodes hold {len(disk_keys)} keys, index {len(self._storage_keys)}"
+            )
+        if len(self._storage_keys) > self.storage_capacity_pages:
+            raise IntegrityError("storage tier over its cap")
+
+    def check_storage_files(self) -> None:
+        """After every copy settled: the backend holds exactly the keys the tree indexes."""
+        if self.storage is None:
+            return
+        self.settle()
+        stored = self.storage.keys()
+        if stored != self._storage_keys:
+            raise IntegrityError(
+                f"storage tier: {len(stored - self._storage_keys)} stray pages, "
+                f"{len(self._storage_keys - stored)} missing"
+            )
+
+    def close(self) -> None:
+        self.settle()
+        if self.storage is not None:
+            self.storage.close()
+
+    def stats_dict(self) -> dict[str, Any]:
+        s = self.stats
+        tiers = self.tier_tokens()
+        return {
+            "write_policy": self.write_policy,
+            "host_capacity_bytes": self.host.num_pages * self.page_bytes,
+            "host_used_bytes": self.host.used_pages * self.page_bytes,
+            "host_capacity_tokens": self.host_capacity_tokens(),
+            "host_used_tokens": self.host_used_tokens(),
+            "storage_backend": self.storage.name if self.storage else None,
+            "storage_capacity_bytes": self.storage_capacity_bytes(),
+            "storage_used_bytes": self.storage_used_bytes(),
+            "device_tokens": tiers["device"],
+            "host_only_tokens": tiers["host_only"],
+            "storage_only_tokens": tiers["storage_only"],
+            "hit_tokens": dict(s.hit_tokens),
+            "load_bytes": s.load_bytes,
+            "load_tokens": s.load_tokens,
+            "load_seconds": s.load_seconds,
+            "backup_bytes": s.backup_bytes,
+            "backup_tokens": s.backup_tokens,
+            "backup_seconds": s.backup_seconds,
+            "storage_write_bytes": s.storage_write_bytes,
+            "storage_read_bytes": s.storage_read_bytes,
+            "storage_seconds": s.storage_seconds,
+            "dropped_tokens": s.dropped_tokens,
+        }

@@ -1,0 +1,169 @@
+"""A hypothesis state machine over the tiered radix tree (KVPool with the hierarchy).
+
+Rules: start a request (match over all tiers, load, check the loaded KV value by
+value, extend), finish it (insert) or abort it (free), match and leave while the
+load may still be running, evict from the device and
+from the host tier, retract running requests into the tree, expire the
+"session" holding them all (the reclaim path: free without insert), under each
+write policy, with and without a storage tier, while the copy thread really
+runs the copies concurrently. After every step: the pool's integrity check
+(pages in exactly one place per tier, bytes accounted); a matched prefix must
+be a prefix of a sequence inserted before; at the end, the idle check.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from memsvc.core import KVPool
+from memsvc.core.hicache import HiCacheConfig
+from tests.core.test_hicache import PAGE, kv_of, kv_shape, layout
+
+pages_st = st.lists(st.integers(0, 2), min_size=1, max_size=4)
+
+
+def tokens_of(pages: list[int], tail: int) -> np.ndarray:
+    out = [np.arange(k * PAGE + 1, (k + 1) * PAGE + 1) for k in pages]
+    return np.concatenate([*out, np.arange(tail) + 100]).astype(np.int64)
+
+
+class TieredTree(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: KVPool | None = None
+        self.dir = tempfile.mkdtemp(prefix="hicache-model-")
+        self.running: dict[str, np.ndarray] = {}  # rid -> tokens whose KV is written
+        self.inserted: set[tuple[int, ...]] = set()  # page-aligned prefixes ever inserted
+        self.n = 0
+
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_back", "write_through_selective"]),
+        storage=st.sampled_from([True, True, False]),
+        host_pages=st.integers(1, 6),
+    )
+    def setup(self, policy: str, storage: bool, host_pages: int) -> None:
+        lay = layout(10)
+        self.pool = KVPool(
+            lay,
+            hicache=HiCacheConfig(
+                size_bytes=host_pages * lay.bytes_per_page,
+                write_policy=policy,
+                storage_backend="file" if storage else None,
+                storage_dir=self.dir,
+                storage_size_bytes=12 * lay.bytes_per_page,
+            ),
+        )
+
+    def _remember(self, tokens: np.ndarray) -> None:
+        aligned = len(tokens) - len(tokens) % PAGE
+        for end in range(PAGE, aligned + 1, PAGE):
+            self.inserted.add(tuple(tokens[:end].tolist()))
+
+    @rule(pages=pages_st, tail=st.integers(1, 3), keep=st.booleans())
+    def start(self, pages: list[int], tail: int, keep: bool) -> None:
+        pool = self.pool
+        tokens = tokens_of(pages, tail)
+        self.n += 1
+        rid = f"r{self.n}"
+        pool.open_request(rid)
+        match = pool.match_prefix_tiers(rid, tokens[:-1])
+        assert match.prefix_len == match.device_tokens + match.host_tokens + match.storage_tokens
+        if match.prefix_len:
+            assert tuple(tokens[: match.prefix_len].tolist()) in self.inserted
+        slots = pool.alloc_extend([(rid, len(tokens) - match.prefix_len)])
+        got = pool.buffers.read_slots(pool.slots(rid, 0, match.prefix_len))
+        np.testing.assert_array_equal(got, kv_of(tokens[: match.prefix_len], 0, kv_shape(pool)))
+        if slots is None:
+            pool.release(rid, is_insert=False)
+            return
+        pool.buffers.write_slots(slots, kv_of(tokens, match.prefix_len, kv_shape(pool)))
+        if keep:
+            self.running[rid] = tokens
+        else:
+            pool.release(rid, tokens)
+            self._remember(tokens)
+
+    @rule(pages=pages_st)
+    def abandon_match(self, pages: list[int]) -> None:
+        """Match (a load may start), then leave before any alloc_extend waited for it."""
+        self.n += 1
+        rid = f"r{self.n}"
+        tokens = tokens_of(pages, 1)
+        self.pool.open_request(rid)
+        self.pool.match_prefix_tiers(rid, tokens[:-1])
+        self.pool.release(rid, is_insert=False)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), insert=st.booleans())
+    def finish(self, data: st.DataObject, insert: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        tokens = self.running.pop(rid)
+        if insert:
+            self.pool.release(rid, tokens)
+            self._remember(tokens)
+        else:
+            self.pool.release(rid, is_insert=False)
+
+    @rule(num_tokens=st.integers(0, 40))
+    def evict_device(self, num_tokens: int) -> None:
+        self.pool.evict(num_tokens)
+
+    @rule(num_pages=st.integers(0, 10))
+    def evict_host(self, num_pages: int) -> None:
+        self.pool.hicache.evict_host(num_pages)
+
+    @precondition(lambda self: len(self.running) >= 2)
+    @rule()
+    def retract_into_tree(self) -> None:
+        pool = self.pool
+        rids = sorted(self.running)
+        rows = [pool.request(r).row for r in rids]
+        to_tree = {pool.request(r).row: self.running[r] for r in rids}
+        result = pool.retract(rows, offload=False, retract_decode_steps=2, to_tree=to_tree)
+        assert result.retracted and result.to_tree == result.retracted
+        for rid in result.retracted:
+            self._remember(self.running.pop(rid))
+
+    @precondition(lambda self: self.running)
+    @rule()
+    def expire_session(self) -> None:
+        for rid in list(self.running):
+            self.pool.release(rid, is_insert=False)  # what reclaiming a session does
+        self.running.clear()
+
+    @rule()
+    def settle(self) -> None:
+        self.pool.settle_copies()
+
+    @invariant()
+    def integrity(self) -> None:
+        if self.pool is not None:
+            self.pool.check_integrity()
+            # Scribble on free pages (no copy touches them): a load that did not
+            # copy, or copied too late, then shows as wrong KV.
+            free = np.array(self.pool.allocator.free_page_list(), dtype=np.int64)
+            self.pool.buffers.kv[free] = -1
+
+    def teardown(self) -> None:
+        try:
+            if self.pool is not None:
+                for rid in list(self.running):
+                    self.pool.release(rid, is_insert=False)
+                self.pool.settle_copies()
+                self.pool.check_integrity(idle=True)
+        finally:
+            if self.pool is not None:
+                self.pool.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+TieredTree.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, derandomize=True
+)
+test_tiered_tree = TieredTree.TestCase
