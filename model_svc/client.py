@@ -38,6 +38,11 @@ class ForwardError(ModelSvcError):
 class ForwardResult:
     next_token_ids: np.ndarray  # one per request, in batch order
     logprobs: list[float | None] | None = None
+    # Per request: None, or [top logprobs, their token ids] (SamplingSpec.top_logprobs_num).
+    top_logprobs: list[list[list] | None] | None = None
+    # extend with logprob_starts: per request None, or {"logprobs": [...], "top": [...] | None},
+    # one entry per position from its start (the last: the sampling position).
+    input_logprobs: list[dict[str, Any] | None] | None = None
 
 
 def _specs(sampling: Sequence[SamplingSpec | dict] | None) -> list[dict] | None:
@@ -64,8 +69,14 @@ class _Ops:
         items: Sequence[tuple[int, int, Sequence[int] | np.ndarray]],
         sampling: Sequence[SamplingSpec | dict] | None = None,
         pool_epoch: str | None = None,
+        logprob_starts: Sequence[int] | None = None,
+        next_token_ids: Sequence[int] | None = None,
     ) -> Any:
-        """Compute each ``(row, prefix_len, new_token_ids)``; returns a ForwardResult."""
+        """Compute each ``(row, prefix_len, new_token_ids)``; returns a ForwardResult.
+
+        ``logprob_starts`` / ``next_token_ids``: input logprobs (see
+        :class:`model_svc.protocol.Extend`).
+        """
         tokens = [_ids(new) for _, _, new in items]
         arrays = {
             "rows": _ids([row for row, _, _ in items]),
@@ -73,6 +84,10 @@ class _Ops:
             "num_tokens": _ids([t.size for t in tokens]),
             "token_ids": np.concatenate(tokens) if tokens else _ids([]),
         }
+        if logprob_starts is not None:
+            arrays["logprob_starts"] = _ids(logprob_starts)
+        if next_token_ids is not None:
+            arrays["next_token_ids"] = _ids(next_token_ids)
         header = {"op": "extend", "sampling": _specs(sampling), "pool_epoch": pool_epoch}
         return self._invoke(header, arrays)
 
@@ -94,7 +109,12 @@ def _result(header: dict[str, Any]) -> Any:
     if not header.get("ok"):
         raise ForwardError(header.get("code", "internal"), header.get("message", ""))
     if "next_token_ids" in header:
-        return ForwardResult(header["next_token_ids"], header.get("logprobs"))
+        return ForwardResult(
+            header["next_token_ids"],
+            header.get("logprobs"),
+            header.get("top_logprobs"),
+            header.get("input_logprobs"),
+        )
     return header
 
 

@@ -19,13 +19,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from memsvc import protocol as wire
 from memsvc.core.errors import MemsvcError
 from model_svc import protocol as p
 from model_svc.errors import InvalidBatchError, ModelSvcError
 from model_svc.model import ExtendItem, LlamaModel
-from model_svc.sampling import GREEDY, SamplingParams, sample
+from model_svc.sampling import (
+    GREEDY,
+    SamplingParams,
+    sample,
+    sampling_logprobs,
+    suppressed,
+    top_logprobs,
+)
 
 log = logging.getLogger("model_svc")
 
@@ -136,9 +144,28 @@ class ModelService:
                 strict=True,
             )
         ]
-        logits = self.model.extend(items)
+        starts = self._logprob_starts(msg, num_tokens)
+        logits, spans = self.model.extend_with_positions(items, starts)
         self.counters["extend_tokens"] += int(num_tokens.sum())
-        return self._sampled(logits, sampling, ends - 1)
+        fields, arrays = self._sampled(logits, sampling, ends - 1)
+        if starts is not None:
+            sampled = arrays["next_token_ids"].tolist()
+            next_ids = msg.next_token_ids.tolist() if msg.next_token_ids is not None else None
+            fields["input_logprobs"] = [
+                _input_logprobs(self.model, span, item.token_ids[start + 1 :], after, param)
+                for span, item, start, after, param in zip(
+                    spans,
+                    items,
+                    starts,
+                    [
+                        t if next_ids is None or next_ids[i] < 0 else next_ids[i]
+                        for i, t in enumerate(sampled)
+                    ],
+                    sampling,
+                    strict=True,
+                )
+            ]
+        return fields, arrays
 
     def _decode(self, msg: p.Decode) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         self._check_epoch(msg.pool_epoch)
@@ -165,6 +192,24 @@ class ModelService:
                 f"the request is for memsvc epoch {pool_epoch}, the pool is {self.pool.epoch}"
             )
 
+    def _logprob_starts(self, msg: p.Extend, num_tokens: np.ndarray) -> list[int] | None:
+        if msg.logprob_starts is None:
+            if msg.next_token_ids is not None:
+                raise InvalidBatchError("next_token_ids needs logprob_starts")
+            return None
+        count = num_tokens.size
+        if msg.logprob_starts.size != count or (
+            msg.next_token_ids is not None and msg.next_token_ids.size != count
+        ):
+            raise InvalidBatchError("logprob_starts and next_token_ids need one entry per request")
+        if (msg.logprob_starts < 0).any():
+            raise InvalidBatchError("logprob_starts must be >= 0")
+        after = msg.next_token_ids
+        vocab = self.model.config.vocab_size
+        if after is not None and ((after < -1) | (after >= vocab)).any():
+            raise InvalidBatchError(f"next_token_ids must be -1 or in 0..{vocab - 1}")
+        return np.minimum(msg.logprob_starts, num_tokens).tolist()
+
     def _sampling(self, specs: list[p.SamplingSpec] | None, count: int) -> list[SamplingParams]:
         if specs is None:
             return [GREEDY] * count
@@ -177,6 +222,9 @@ class ModelService:
                 top_k=s.top_k or None,
                 seed=s.seed,
                 logprobs=s.logprobs,
+                min_p=s.min_p,
+                top_logprobs_num=s.top_logprobs_num,
+                suppress_token_ids=tuple(s.suppress_token_ids),
             )
             for s in specs
         ]
@@ -192,4 +240,36 @@ class ModelService:
                 float(lp) if param.logprobs else None
                 for lp, param in zip(result.logprobs.tolist(), sampling, strict=True)
             ]
+        nums = [param.top_logprobs_num for param in sampling]
+        if any(nums):
+            rows = sampling_logprobs(suppressed(logits.float(), sampling), sampling)
+            fields["top_logprobs"] = [
+                None if top is None else [top[0], top[1]] for top in top_logprobs(rows, nums)
+            ]
         return fields, {"next_token_ids": result.token_ids.numpy().astype(np.int64)}
+
+
+INPUT_LOGITS_BLOCK = 256  # prompt positions turned into logits at a time
+
+
+def _input_logprobs(
+    model: LlamaModel, span: Any, following: Any, after: int, param: SamplingParams
+) -> dict[str, Any] | None:
+    """One request's input logprobs: each position of ``span`` (hidden states
+    ``[m, hidden]``) scores the token after it (``following``, then ``after``); of
+    the raw logits, as SGLang. Logits are made a block of positions at a time."""
+    if span is None:
+        return None
+    targets = torch.as_tensor([int(t) for t in following] + [int(after)], dtype=torch.int64)
+    chosen: list[float] = []
+    top: list[list[list]] | None = [] if param.top_logprobs_num > 0 else None
+    with torch.inference_mode():
+        for begin in range(0, span.shape[0], INPUT_LOGITS_BLOCK):
+            block = span[begin : begin + INPUT_LOGITS_BLOCK]
+            logprobs = torch.log_softmax(model.logits(block).float(), dim=-1)
+            index = targets[begin : begin + block.shape[0]].to(logprobs.device)
+            chosen += logprobs.gather(1, index[:, None])[:, 0].tolist()
+            if top is not None:
+                rows = top_logprobs(logprobs, [param.top_logprobs_num] * block.shape[0])
+                top += [[values, ids] for values, ids in rows]
+    return {"logprobs": chosen, "top": top}

@@ -306,6 +306,16 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def extend(self, items: Sequence[ExtendItem]) -> torch.Tensor:
         """Run each request's new tokens; float32 logits ``[len(items), vocab]`` of its last one."""
+        return self.extend_with_positions(items)[0]
+
+    @torch.inference_mode()
+    def extend_with_positions(
+        self, items: Sequence[ExtendItem], logit_starts: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """:meth:`extend`, and per request the final hidden states of its new tokens from
+        ``logit_starts[i]`` on (``[n - start, hidden]``, the last row the sampling one;
+        None where ``start >= n``), for input logprobs: :meth:`logits` of a slice of
+        them gives that slice's logits (a whole prompt's would be ``n x vocab`` floats)."""
         pool = self._bound()
         if not items:
             raise InvalidBatchError("an extend batch needs at least one request")
@@ -323,8 +333,20 @@ class LlamaModel(nn.Module):
             positions.append(torch.arange(item.prefix_len, end, device=self.device))
         attend = ExtendAttention(pool.rows, seqs)
         hidden = self.run_layers(torch.cat(ids), torch.cat(positions), attend)
-        last = torch.cumsum(torch.tensor([t.numel() for t in ids], device=self.device), 0) - 1
-        return self.logits(hidden[last])
+        lengths = [t.numel() for t in ids]
+        last = torch.cumsum(torch.tensor(lengths, device=self.device), 0) - 1
+        spans: list[torch.Tensor | None] = [None] * len(items)
+        if logit_starts is not None:
+            if len(logit_starts) != len(items):
+                raise InvalidBatchError("logit_starts needs one entry per request")
+            offset = 0
+            for i, (n, start) in enumerate(zip(lengths, logit_starts, strict=True)):
+                if start < 0:
+                    raise InvalidBatchError("logit_starts must be >= 0")
+                if start < n:
+                    spans[i] = hidden[offset + start : offset + n]
+                offset += n
+        return self.logits(hidden[last]), spans
 
     @torch.inference_mode()
     def decode(self, rows: IntArray, seq_lens: IntArray, token_ids: IntArray) -> torch.Tensor:

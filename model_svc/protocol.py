@@ -35,6 +35,9 @@ def _usable_in_float32(top_p: float) -> float:
 # HTTP): a bad one is refused where it enters, never turned into NaNs in a batch.
 Temperature = Annotated[float, Field(ge=0.0, le=100.0), AfterValidator(_greedy_below_eps)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0), AfterValidator(_usable_in_float32)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+MAX_TOP_LOGPROBS = 20
+MAX_SUPPRESSED_IDS = 1024
 
 
 class SamplingSpec(BaseModel):
@@ -45,8 +48,12 @@ class SamplingSpec(BaseModel):
     temperature: Temperature = 0.0
     top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=0)  # 0: no top-k cut
+    min_p: MinP = 0.0
     seed: int = Field(default=0, ge=0, lt=2**63)
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen token's logprob
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    # Token ids that cannot be chosen in this step (SGLang's min_new_tokens: EOS, stop ids).
+    suppress_token_ids: list[int] = Field(default_factory=list, max_length=MAX_SUPPRESSED_IDS)
 
 
 class Info(Message):
@@ -63,6 +70,12 @@ class Extend(Message):
     token_ids: IntArray  # every request's new tokens, one after another
     sampling: list[SamplingSpec] | None = None  # None: greedy for all
     pool_epoch: str | None = Field(default=None, max_length=64)
+    # Input logprobs: from new token ``logprob_starts[i]`` on (``num_tokens[i]``: none),
+    # each position's logprob of the token after it. That is the next new token, or
+    # for the last one ``next_token_ids[i]`` (the next chunk's first token; -1: the
+    # token sampled here). Top-k too when the request's ``top_logprobs_num`` says.
+    logprob_starts: IntArray | None = None
+    next_token_ids: IntArray | None = None
 
 
 class Decode(Message):

@@ -9,6 +9,11 @@ Each row is drawn on its own and never fails: a temperature below SGLang's
 ``_SAMPLING_EPS`` is greedy, the most likely token always survives the top-p
 cut, and a row whose distribution cannot be drawn from (NaN or infinite
 logits) takes its most likely token, so one row can never break the batch.
+
+Logprobs are SGLang's: of the distribution the token is drawn from, i.e. the
+log-softmax of the raw logits for a greedy row and of the temperature-scaled
+logits for a sampled one (before top-k, top-p and min-p), after the
+suppressed ids (``min_new_tokens``) are masked out.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class SamplingParams:
     top_k: int | None = None
     seed: int | None = None
     logprobs: bool = False
+    min_p: float = 0.0
+    top_logprobs_num: int = 0
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -50,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -58,9 +70,13 @@ class SamplingParams:
 
 class SampleResult(NamedTuple):
     token_ids: torch.Tensor  # [n] int64
-    # [n] float32: log-probability of each chosen token under the model's own
-    # distribution (before temperature, top-k, top-p); None when no request asked.
+    # [n] float32: log-probability of each chosen token (see the module docstring);
+    # None when no request asked.
     logprobs: torch.Tensor | None
+
+
+# Per row: None, or the top-k (logprobs, token ids), most likely first.
+TopLogprobs = list[tuple[list[float], list[int]] | None]
 
 
 GREEDY = SamplingParams()
@@ -76,19 +92,57 @@ def sample(
     """
     if logits.dim() != 2 or not logits.shape[0] == len(params) == len(positions):
         raise ValueError("sample needs logits [n, vocab] and n params and positions")
-    logits = logits.float()
+    logits = suppressed(logits.float(), params)
     token_ids = logits.argmax(dim=-1)
     for i, (param, position) in enumerate(zip(params, positions, strict=True)):
         if not param.is_greedy:
             token_ids[i] = _draw(logits[i], param, int(position))
     logprobs = None
     if any(param.logprobs for param in params):
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None])[:, 0]
+        logprobs = sampling_logprobs(logits, params).gather(1, token_ids[:, None])[:, 0]
     return SampleResult(token_ids, logprobs)
 
 
+def suppressed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """``logits`` with each row's ``suppress_token_ids`` at -inf (a copy if any)."""
+    if not any(param.suppress_token_ids for param in params):
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i, param in enumerate(params):
+        ids = [t for t in param.suppress_token_ids if 0 <= t < vocab]
+        if ids:
+            logits[i, ids] = -math.inf
+    return logits
+
+
+def sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Log-softmax of each row as it is sampled: raw if greedy, else over the temperature."""
+    scale = torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params], dtype=logits.dtype
+    ).to(logits.device)
+    return torch.log_softmax(logits / scale[:, None], dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, nums: Sequence[int]) -> TopLogprobs:
+    """The ``nums[i]`` most likely tokens of row ``i`` of ``logprobs [n, vocab]`` (0: None).
+
+    Ties keep vocabulary order (a stable sort), so the answer is reproducible.
+    """
+    top: TopLogprobs = [None] * len(nums)
+    k = min(max(nums, default=0), logprobs.shape[-1])
+    if k <= 0:
+        return top
+    values, order = logprobs.float().cpu().sort(dim=-1, descending=True, stable=True)
+    values, order = values[:, :k].tolist(), order[:, :k].tolist()
+    for i, num in enumerate(nums):
+        if num > 0:
+            top[i] = (values[i][:num], order[i][:num])
+    return top
+
+
 def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
-    """Sample from one row: scale, keep the top-k, keep the top-p nucleus, draw."""
+    """Sample from one row: scale, keep the top-k, the top-p nucleus, the min-p share, draw."""
     # NaN sorts above everything: make it the least likely token instead.
     scaled = torch.nan_to_num(row.cpu(), nan=-math.inf) / param.temperature
     # stable: equal logits keep vocabulary order, so the draw is reproducible
@@ -100,6 +154,10 @@ def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
         # Keep a token while the mass before it is under top_p; the first always stays,
         # even for a top_p too small for float32 or a mass that is NaN.
         keep = (probs.cumsum(0) - probs) < param.top_p
+        keep[0] = True
+        probs, order = probs[keep], order[keep]
+    if param.min_p > 0:
+        keep = probs >= probs[0] * param.min_p  # probs are sorted: probs[0] is the largest
         keep[0] = True
         probs, order = probs[keep], order[keep]
     if not _drawable(probs):

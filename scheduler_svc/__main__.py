@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the byte-level tokenizer)",
     )
     parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model_name label of the sglang:* metrics (default: --checkpoint, or "
+        "'default' without one)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -254,7 +260,13 @@ async def serve(args: argparse.Namespace, listen: str, curve: CurveKeys) -> int:
             from scheduler_svc.metrics import register
 
             registry = CollectorRegistry()
-            register(registry, engine)
+            register(
+                registry,
+                engine,
+                model_name=args.served_model_name or args.checkpoint or "default",
+                mode=args.mode,
+                max_context_len=layout.max_context_len,
+            )
             metrics_server, _ = start_http_server(args.metrics_port, metrics_host(args), registry)
             metrics_port = metrics_server.server_port
         service = SchedulerService(

@@ -1,7 +1,12 @@
 """Clients of the generate API: :class:`GenerateClient` (sync) and :class:`AsyncGenerateClient`.
 
 ``generate`` waits for the result; ``stream`` yields token chunks as they
-come and ends with the result; ``abort`` ends a request by rid.
+come (each with its ``meta_info``: the counts so far and, with
+``return_logprob``, the new tokens' logprobs) and ends with the result;
+``abort`` ends a request by rid; ``flush_cache`` empties the prefix cache if
+nothing runs or waits (``(flushed, message)``). ``return_logprob``,
+``logprob_start_len`` and ``top_logprobs_num`` are SGLang's (see
+:mod:`scheduler_svc.protocol`).
 
 A scheduler that dies (its socket disconnects, seen at once through a ZMQ
 socket monitor) or stays silent for ``timeout_s`` does not lose the request:
@@ -32,7 +37,7 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -82,6 +87,7 @@ class Chunk:
     rid: str
     token_ids: list[int]
     offset: int
+    meta_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,7 @@ def _request(
     rid: str | None,
     stream: bool,
     priority: int | None,
+    logprobs: LogprobArgs | None = None,
 ) -> tuple[str, list[bytes]]:
     rid = rid or uuid.uuid4().hex
     header: dict[str, Any] = {
@@ -116,12 +123,22 @@ def _request(
         "sampling": GenSampling.model_validate(sampling or {}).model_dump(),
         "priority": priority,
     }
+    if logprobs is not None and logprobs.return_logprob:
+        header.update(logprobs._asdict())
     arrays = None
     if input_ids is not None:
         arrays = {"input_ids": np.asarray(input_ids, dtype=wire.ARRAY_DTYPE).reshape(-1)}
     else:
         header["text"] = text
     return rid, wire.pack(header, arrays)
+
+
+class LogprobArgs(NamedTuple):
+    """SGLang's logprob fields of a generate."""
+
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
 
 
 def _unpack(frames: list[bytes]) -> dict[str, Any] | None:
@@ -142,7 +159,24 @@ def _fresh(chunk: Chunk, delivered: int) -> Chunk | None:
     skip = delivered - chunk.offset
     if skip >= len(chunk.token_ids):
         return None
-    return Chunk(chunk.rid, chunk.token_ids[skip:], delivered)
+    if skip == 0:
+        return chunk
+    meta = {k: v for k, v in chunk.meta_info.items() if not k.startswith("input_")}
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = meta[key][skip:]
+    return Chunk(chunk.rid, chunk.token_ids[skip:], delivered, meta)
+
+
+def _flushed(reply: dict[str, Any]) -> tuple[bool, str]:
+    """A flush_cache's answer; an error reply raises."""
+    if not reply.get("ok"):
+        raise GenerateError(
+            reply.get("code", "internal"),
+            reply.get("message", ""),
+            int(reply.get("status_code", 400)),
+        )
+    return bool(reply.get("flushed")), str(reply.get("message", ""))
 
 
 def _drain(monitor: zmq.Socket) -> None:
@@ -173,7 +207,12 @@ def _decode(header: dict[str, Any]) -> Chunk | GenerateResult:
             int(header.get("status_code", 400)),
         )
     if header["type"] == "chunk":
-        return Chunk(header["rid"], list(header["token_ids"]), header["offset"])
+        return Chunk(
+            header["rid"],
+            list(header["token_ids"]),
+            header["offset"],
+            dict(header.get("meta_info") or {}),
+        )
     return GenerateResult(
         header["rid"], list(header["output_ids"]), header.get("text"), header["meta_info"]
     )
@@ -198,27 +237,47 @@ class GenerateClient:
         self._op_ids = itertools.count(1)
 
     def stream(
-        self, input_ids=None, *, text=None, sampling=None, rid=None, priority=None
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        sampling=None,
+        rid=None,
+        priority=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
     ) -> Iterator[Chunk | GenerateResult]:
         """Token chunks as they are generated, then the result."""
-        yield from self._run(input_ids, text, sampling, rid, True, priority)
+        logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        yield from self._run(input_ids, text, sampling, rid, True, priority, logprobs)
 
     def generate(
-        self, input_ids=None, *, text=None, sampling=None, rid=None, priority=None
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        sampling=None,
+        rid=None,
+        priority=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
     ) -> GenerateResult:
-        for item in self._run(input_ids, text, sampling, rid, False, priority):
+        logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        for item in self._run(input_ids, text, sampling, rid, False, priority, logprobs):
             if isinstance(item, GenerateResult):
                 return item
         raise PeerDeadError(f"scheduler at {self.address} ended the stream without a result")
 
-    def _run(self, input_ids, text, sampling, rid, stream, priority):
+    def _run(self, input_ids, text, sampling, rid, stream, priority, logprobs=None):
         rid = rid or uuid.uuid4().hex
         delivered = [0]  # output tokens given out (a list: _try updates it)
         faults: list[str] = []
         while True:
             op_id = next(self._op_ids)
             _, frames = _request(
-                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority
+                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority, logprobs
             )
             _drain(self._monitor)
             rpc.send_or_drop(self._sock, frames)  # dropped (CURVE refused us): a silent try
@@ -274,13 +333,20 @@ class GenerateClient:
         return _found(reply)
 
     def info(self) -> dict[str, Any]:
+        return self._call({"op": "info"})
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache; ``(False, why)`` while requests run or wait."""
+        return _flushed(self._call({"op": "flush_cache"}, timeout_s=self.timeout_s))
+
+    def _call(self, header: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         op_id = next(self._op_ids)
         try:
             return rpc.request(
                 self._sock,
-                wire.pack({"op": "info", "op_id": op_id}),
+                wire.pack({**header, "op_id": op_id}),
                 op_id,
-                min(self.timeout_s, 10.0),
+                timeout_s or min(self.timeout_s, 10.0),
                 1,
             )
         except rpc.NoReplyError as exc:
@@ -342,15 +408,35 @@ class AsyncGenerateClient:
             self._watcher = asyncio.create_task(self._watch(), name="generate-client-watch")
 
     async def stream(
-        self, input_ids=None, *, text=None, sampling=None, rid=None, priority=None
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        sampling=None,
+        rid=None,
+        priority=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
     ) -> AsyncIterator[Chunk | GenerateResult]:
-        async for item in self._run(input_ids, text, sampling, rid, True, priority):
+        logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        async for item in self._run(input_ids, text, sampling, rid, True, priority, logprobs):
             yield item
 
     async def generate(
-        self, input_ids=None, *, text=None, sampling=None, rid=None, priority=None
+        self,
+        input_ids=None,
+        *,
+        text=None,
+        sampling=None,
+        rid=None,
+        priority=None,
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
     ) -> GenerateResult:
-        async for item in self._run(input_ids, text, sampling, rid, False, priority):
+        logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        async for item in self._run(input_ids, text, sampling, rid, False, priority, logprobs):
             if isinstance(item, GenerateResult):
                 return item
         raise PeerDeadError(f"scheduler at {self.address} ended the stream without a result")
@@ -383,14 +469,14 @@ class AsyncGenerateClient:
         finally:
             del self._inbox[op_id]
 
-    async def _run(self, input_ids, text, sampling, rid, stream, priority):
+    async def _run(self, input_ids, text, sampling, rid, stream, priority, logprobs=None):
         rid = rid or uuid.uuid4().hex
         delivered = 0  # output tokens given out
         faults: list[str] = []
         while True:
             op_id = next(self._op_ids)
             _, frames = _request(
-                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority
+                self.client_id, op_id, input_ids, text, sampling, rid, stream, priority, logprobs
             )
             replies = self._replies(op_id, frames)
             try:
@@ -417,6 +503,10 @@ class AsyncGenerateClient:
 
     async def info(self) -> dict[str, Any]:
         return await self._call({"op": "info"})
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache; ``(False, why)`` while requests run or wait."""
+        return _flushed(await self._call({"op": "flush_cache"}))
 
     async def close(self) -> None:
         for task in (self._reader, self._watcher):

@@ -30,6 +30,7 @@ from typing import Any
 
 from memsvc.client import AsyncMemClient
 from memsvc.core.errors import OutOfRowsError
+from memsvc.ops import PoolSizes
 from model_svc.client import AsyncModelClient
 from scheduler_svc.core import (
     RETRACT_ABORT_MESSAGE,
@@ -47,6 +48,9 @@ from scheduler_svc.core.retract_cost import RetractCostModel
 log = logging.getLogger("scheduler_svc")
 
 Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
+# Where a retract victim's KV goes (memsvc's per-row retract targets).
+RECOMPUTE, HOST_ENTRY, INTO_TREE = 0, 1, 2
+GEN_THROUGHPUT_PASSES = 40  # SGLang's decode_log_interval
 
 
 @dataclass
@@ -74,9 +78,37 @@ class EngineStats:
     decode_s: float = 0.0
     retract_s: float = 0.0  # memsvc's retract, offload copies included
     load_s: float = 0.0  # host-store loads on re-admission
+    # Hierarchical cache: victims retracted into the tree's host tier, and admitted prefix
+    # hits that memsvc loaded from the host / disk tier (re-admissions too).
+    tree_retracted_reqs: int = 0
+    tree_retracted_tokens: int = 0
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
+    # SGLang's scheduler gauges (scheduler_svc.metrics): the last prefill batch's prefix-cache
+    # hit rate (re-prefills of retracted requests left out), and the decode tokens per second
+    # over the last GEN_THROUGHPUT_PASSES decode passes, measured at gen_throughput_at.
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (first admissions)
+    last_cache_hit_rate: float = 0.0
+    last_gen_throughput: float = 0.0
+    gen_throughput_at: float | None = None  # time.monotonic()
+    decode_window: tuple[float, int, int] | None = None  # (start, passes, tokens)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def note_prefill(self, hit_tokens: int, computed_tokens: int) -> None:
+        self.cached_tokens += hit_tokens
+        total = hit_tokens + computed_tokens
+        self.last_cache_hit_rate = hit_tokens / total if total else 0.0
+
+    def note_decode(self, num_tokens: int, now: float) -> None:
+        start, passes, tokens = self.decode_window or (now, 0, 0)
+        passes, tokens = passes + 1, tokens + num_tokens
+        if passes >= GEN_THROUGHPUT_PASSES and now > start:
+            self.last_gen_throughput = tokens / (now - start)
+            self.gen_throughput_at = now
+            start, passes, tokens = now, 0, 0
+        self.decode_window = (start, passes, tokens)
 
 
 class Engine:
@@ -189,6 +221,11 @@ class Engine:
             return num_resumed > 0
         if adder.new_chunked_req in batch:
             self.chunked = adder.new_chunked_req
+        first = {id(r) for r in started if not r.retracted_stain}  # hits count on admission
+        self.stats.note_prefill(
+            sum(r.prefix_len for r in batch if id(r) in first),
+            sum(r.extend_len for r in batch if not r.retracted_stain),
+        )
         log.debug(
             "prefill %d reqs (%d tokens); running %d, waiting %d, ratio %.3f, budget %s",
             len(batch),
@@ -224,20 +261,45 @@ class Engine:
                 row = await self.mem.alloc_row(req.rid)
             except OutOfRowsError:
                 break
-            evictable = self.mem.sizes.evictable
-            prefix_len = await self.mem.match_prefix(req.rid, req.fill_ids[:-1])
-            pinned = evictable - self.mem.sizes.evictable
+            before = self.mem.sizes
+            prefix_len, tiers = await self._match_prefix(req)
+            pinned = _pinned_by_match(before, self.mem.sizes, loads=tiers is not None)
             adder.lock_prefix(min(max(pinned, 0), prefix_len, adder.available_tokens))
             decision = adder.add_one_req(req, prefix_len)
             if not decision.admitted:
                 await self.mem.free_row(req.rid)
                 break
             req.start_prefill(row, prefix_len, decision.extend_len)
+            if tiers is not None:
+                req.record_cache_tiers(tiers)
+                self.stats.host_hit_tokens += tiers["host"]
+                self.stats.storage_hit_tokens += tiers.get("storage", 0)
             self.waiting.popleft()
             started.append(req)
             if decision.result is not AddResult.CONTINUE:
                 break
         return started, num_resumed
+
+    @property
+    def hierarchical(self) -> bool:
+        """memsvc runs the hierarchical cache (host and maybe disk tiers under the tree)."""
+        return bool((getattr(self.mem, "hello_info", None) or {}).get("hicache"))
+
+    async def _match_prefix(self, req: Req) -> tuple[int, dict[str, int | str] | None]:
+        """Match and lock ``req``'s cached prefix; returns its length and, with the
+        hierarchy on, where it came from per tier (host and disk parts are loaded into
+        fresh device pages by memsvc, fenced before the extend's ``alloc_extend``)."""
+        tokens = req.fill_ids[: req.max_prefix_len]
+        if not self.hierarchical:
+            return await self.mem.match_prefix(req.rid, tokens), None
+        match = await self.mem.match_prefix_tiers(req.rid, tokens)
+        tiers: dict[str, int | str] = {"device": match.device_hit, "host": match.host_hit}
+        backend = self.mem.hello_info["hicache"].get("storage_backend")
+        if match.storage_hit or backend:  # SGLang's keys: storage ones with a storage tier
+            tiers["storage"] = match.storage_hit
+        if backend:
+            tiers["storage_backend"] = backend
+        return match.prefix_len, tiers
 
     async def _allocate(self, chunk_len: int, started: list[Req]) -> list[Req]:
         """Allocate this round's extends in one call; returns the batch to run.
@@ -312,7 +374,10 @@ class Engine:
         ]
         started = time.perf_counter()
         result = await self.model.extend(
-            items, sampling=[self._sampling(r) for r in batch], pool_epoch=self.mem.epoch
+            items,
+            sampling=[self._sampling(r) for r in batch],
+            pool_epoch=self.mem.epoch,
+            **_input_logprob_args(batch),
         )
         seconds = time.perf_counter() - started
         num_tokens = sum(req.extend_len for req in batch)
@@ -321,13 +386,17 @@ class Engine:
         self.stats.prefill_s += seconds
         self.stats.reprefill_s += seconds * num_reprefill / max(num_tokens, 1)
         self.stats.forward_passes += 1
-        for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
+        for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
             count = req.extend_len
             self.stats.prefill_tokens += count
             if req.retracted_stain:
                 self.stats.reprefilled_tokens += count
+            if result.input_logprobs is not None:
+                req.record_input_logprobs(req.prefix_len, result.input_logprobs[i])
             if not req.complete_extend():
                 continue  # a chunk: the token sampled after it is not an output
+            req.finish_input_logprobs()
+            req.record_output_logprob(*_output_logprob(result, i))
             await self._prefilled(req, int(token))
 
     async def _prefilled(self, req: Req, token: int) -> None:
@@ -372,8 +441,10 @@ class Engine:
         )
         self.stats.decode_s += time.perf_counter() - started
         self.stats.forward_passes += 1
-        for req, token in zip(batch, result.next_token_ids.tolist(), strict=True):
+        self.stats.note_decode(len(batch), time.monotonic())
+        for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
             req.append_token(int(token))
+            req.record_output_logprob(*_output_logprob(result, i))
             self.stats.generated_tokens += 1
             if req.check_finished(self.eos_token_ids):
                 self.running.remove(req)
@@ -393,9 +464,10 @@ class Engine:
         )
         to_host = self._offload_choices(ordered)
         started = time.perf_counter()
-        reply = await self.mem.retract([r.row for r in ordered], offload=to_host)
+        reply = await self.mem.retract([r.row for r in ordered], **_retract_args(ordered, to_host))
         self.stats.retract_s += time.perf_counter() - started
-        offloaded = {r.rid for r, host in zip(ordered, to_host, strict=True) if host}
+        offloaded = {r.rid for r, host in zip(ordered, to_host, strict=True) if host == HOST_ENTRY}
+        into_tree = set(getattr(reply, "to_tree", ()))
         by_rid = {r.rid: r for r in ordered}
         for rid in reply.retracted:
             req = by_rid[rid]
@@ -407,6 +479,9 @@ class Engine:
             if host_copy:
                 self.stats.offloaded_reqs += 1
                 self.stats.offloaded_tokens += req.seq_len - 1
+            elif rid in into_tree:  # its KV is in the tree: re-admission is a prefix hit
+                self.stats.tree_retracted_reqs += 1
+                self.stats.tree_retracted_tokens += req.seq_len - 1
             req.reset_for_retract()
             req.host_copy = host_copy
             await self._requeue_retracted(req)
@@ -435,15 +510,26 @@ class Engine:
             tail,
         )
 
-    def _offload_choices(self, ordered: list[Req]) -> list[bool]:
-        """Per request of the victim order, whether its KV goes to the host store if retracted."""
+    def _offload_choices(self, ordered: list[Req]) -> list[int]:
+        """Per request of the victim order, where its KV goes if retracted.
+
+        RECOMPUTE (freed), HOST_ENTRY (memsvc's private host-store entry, loaded
+        back whole on re-admission), or, with the hierarchy on, INTO_TREE: inserted
+        into the radix tree and backed up to its host tier, so that its own
+        re-admission and any request sharing its prefix hit it.
+        """
         mode = self.config.retract_mode
+        target = INTO_TREE if self.hierarchical else HOST_ENTRY
         if mode != "auto":
-            return [mode == "offload"] * len(ordered)
+            return [target if mode == "offload" else RECOMPUTE] * len(ordered)
         # Victims are popped from the end: decide in that order, so host-store room
-        # goes to the first ones retracted.
-        choices = self.cost.choose_offload(ordered[::-1], self.mem.sizes.host_free)
-        return choices[::-1]
+        # goes to the first ones retracted. The host tier makes room by LRU eviction:
+        # all of it is there to take.
+        room = self.mem.sizes.host_free
+        if self.hierarchical:
+            room = int(self.mem.hello_info["hicache"].get("host_capacity_bytes", 0))
+        choices = self.cost.choose_offload(ordered[::-1], room)
+        return [target if c else RECOMPUTE for c in choices[::-1]]
 
     async def _requeue_retracted(self, req: Req) -> None:
         """Normal mode: back to the tail of the waiting queue (re-prefill or host-store load)."""
@@ -483,12 +569,68 @@ class Engine:
 
     def _sampling(self, req: Req) -> dict[str, Any]:
         params = req.sampling_params
-        return {
+        spec = {
             "temperature": params.temperature,
             "top_p": params.top_p,
             "top_k": max(params.top_k, 0),
             "seed": params.seed if params.seed is not None else _seed_from_rid(req.rid),
         }
+        if params.min_p:
+            spec["min_p"] = params.min_p
+        if req.return_logprob:
+            spec["logprobs"] = True
+            spec["top_logprobs_num"] = req.top_logprobs_num
+        suppress = req.suppressed_token_ids(self.eos_token_ids)
+        if suppress:
+            spec["suppress_token_ids"] = suppress
+        return spec
+
+
+def _input_logprob_args(batch: list[Req]) -> dict[str, Any]:
+    """The extend's ``logprob_starts`` / ``next_token_ids``, if a request wants its
+    prompt's logprobs (each from ``logprob_start_len``, relative to its round)."""
+    if not any(req.wants_input_logprobs for req in batch):
+        return {}
+    starts, after = [], []
+    for req in batch:
+        end = req.prefix_len + req.extend_len
+        if req.wants_input_logprobs:
+            starts.append(max(req.logprob_start_len - req.prefix_len, 0))
+        else:
+            starts.append(req.extend_len)  # none
+        after.append(req.fill_ids[end] if end < len(req.fill_ids) else -1)
+    return {"logprob_starts": starts, "next_token_ids": after}
+
+
+def _output_logprob(result: Any, index: int) -> tuple[float | None, Any]:
+    """The sampled token's logprob and top-k (``[[logprob, id], ...]``) in ``result``."""
+    logprobs = getattr(result, "logprobs", None)
+    tops = getattr(result, "top_logprobs", None)
+    top = tops[index] if tops is not None else None
+    if top is not None:
+        top = [[value, token] for value, token in zip(top[0], top[1], strict=True)]
+    return (logprobs[index] if logprobs is not None else None), top
+
+
+def _pinned_by_match(before: PoolSizes, after: PoolSizes, *, loads: bool) -> int:
+    """Tokens a prefix match took from available + evictable: what its lock pinned and,
+    with the hierarchy on, the fresh device pages its host / disk part was loaded into."""
+    pinned = before.evictable - after.evictable
+    if loads:
+        pinned += before.available - after.available
+    return pinned
+
+
+def _retract_args(ordered: list[Req], targets: list[int]) -> dict[str, Any]:
+    """``retract``'s keywords: the per-row targets, and the tokens of INTO_TREE victims
+    (whose KV is written: all but the last token, ``kv_len`` of them)."""
+    if INTO_TREE not in targets:
+        return {"offload": [t == HOST_ENTRY for t in targets]}
+    token_ids = [
+        r.fill_ids[: r.kv_len] if t == INTO_TREE else None
+        for r, t in zip(ordered, targets, strict=True)
+    ]
+    return {"offload": list(targets), "token_ids": token_ids}
 
 
 def _seed_from_rid(rid: str) -> int:

@@ -3,8 +3,23 @@
 A client sends ``generate`` and gets, on the same ``op_id``, zero or more
 ``chunk`` replies (with ``stream``: the new tokens since the last one) and
 then exactly one ``done`` reply with the output and SGLang-shaped
-``meta_info``. ``abort`` ends a request early: its ``done`` carries the
-partial output and an abort ``finish_reason``.
+``meta_info``. Every ``chunk`` carries a ``meta_info`` too: the counts so far
+(``prompt_tokens``, ``cached_tokens``, ``completion_tokens``,
+``num_retractions``) and, with ``return_logprob``, the logprobs of the tokens
+new in that chunk (the first chunk also the prompt's). ``abort`` ends a
+request early: its ``done`` carries the partial output and an abort
+``finish_reason``. ``flush_cache`` empties the prefix cache when no request is
+running or waiting (SGLang's ``/flush_cache``), else answers ``ok: false``.
+
+Logprobs follow SGLang's ``return_logprob`` / ``logprob_start_len`` /
+``top_logprobs_num``: ``meta_info`` gains ``input_token_logprobs`` and
+``output_token_logprobs``, lists of ``[logprob, token_id, None]`` (and, with
+``top_logprobs_num > 0``, ``input_top_logprobs`` / ``output_top_logprobs``: per
+position a list of ``[logprob, token_id, None]``, or None). The input ones
+cover the prompt from ``logprob_start_len`` (-1: none); their first entry has
+no logprob (None), as in SGLang. Output logprobs are those of the
+distribution sampled from (raw logits for greedy, temperature-scaled for
+sampling); input logprobs are of the raw logits.
 
 A rid belongs to the ``client`` that submitted it: a random id the client
 makes once (:class:`scheduler_svc.client.GenerateClient` does) and sends with
@@ -22,9 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from memsvc import protocol as wire
 from memsvc.limits import MessageLimit
 from memsvc.protocol import IntArray, Message
-from model_svc.protocol import Temperature, TopP
+from model_svc.protocol import MinP, Temperature, TopP
 
 MAX_PROMPT_TOKENS = 1 << 20
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024
 # What a message to the scheduler (or the router) may hold: the largest generate is
 # MAX_PROMPT_TOKENS int64 ids (8 MiB) or as text (4 MiB of UTF-8), a header, and a
 # routing identity. A frame past 4 x 16 MiB drops its sender unread.
@@ -34,17 +52,34 @@ MESSAGE_LIMIT = MessageLimit(max_bytes=16 << 20, max_frames=8)
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+
+
 class GenSampling(BaseModel):
-    """SGLang's ``sampling_params`` subset kvstack honours."""
+    """SGLang's ``sampling_params`` subset kvstack honours.
+
+    ``stop``: generation ends once the decoded output contains one of these
+    strings (finish_reason ``{"type": "stop", "matched": "<it>"}``); the
+    ``text`` is cut before it (and before a matched stop token) unless
+    ``no_stop_trim``. ``min_new_tokens``: EOS and ``stop_token_ids`` cannot be
+    sampled before that many tokens (SGLang masks them). ``min_p``: tokens less
+    likely than ``min_p`` times the most likely one are not drawn.
+    ``skip_special_tokens``: how ``text`` is decoded.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_new_tokens: int = Field(default=128, ge=0, le=1 << 20)
+    min_new_tokens: int = Field(default=0, ge=0, le=1 << 20)
     ignore_eos: bool = False
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     stop_token_ids: list[Int64] = Field(default_factory=list, max_length=64)
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
     temperature: Temperature = 0.0  # below SGLang's _SAMPLING_EPS: greedy
     top_p: TopP = 1.0
     top_k: int = Field(default=0, ge=0, lt=2**63)
+    min_p: MinP = 0.0
     seed: int = Field(default=0, ge=0, lt=2**63)
 
 
@@ -60,6 +95,10 @@ class Generate(Message):
     sampling: GenSampling = Field(default_factory=GenSampling)
     stream: bool = False
     priority: Int64 | None = None
+    # SGLang's logprob fields (see the module docstring).
+    return_logprob: bool = False
+    logprob_start_len: int = Field(default=-1, ge=-1, lt=2**63)
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     # PD mode: set by the router; pairs the prefill and decode sides of one request.
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
     # PD re-bootstrap: the decode side knows this request by another rid.
@@ -91,7 +130,13 @@ class Info(Message):
     op: Literal["info"]
 
 
-Request = Annotated[Generate | Abort | Info, Field(discriminator="op")]
+class FlushCache(Message):
+    """Empty the prefix cache, if no request is running or waiting."""
+
+    op: Literal["flush_cache"]
+
+
+Request = Annotated[Generate | Abort | Info | FlushCache, Field(discriminator="op")]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
 

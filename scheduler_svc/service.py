@@ -4,10 +4,14 @@ Three tasks, all kept and cancelled on the way out: ``_intake`` reads client
 requests (validating each one at the edge and answering bad ones at once),
 ``_loop`` runs :meth:`Engine.step` while there is work, and ``_send`` writes
 replies in order (``info`` also says whether the loop gets anywhere with the
-work it has, see :mod:`scheduler_svc.stall`). Intake applies the SGLang rules
+work it has, see :mod:`scheduler_svc.stall`). Intake applies SGLang's checks,
+each a 400 with SGLang's message: a token id outside the vocabulary, a prompt
+of ``max_context_len`` tokens or more, a prompt plus ``max_new_tokens`` past
+``max_context_len``, a ``logprob_start_len`` past the prompt; and the rules
 that keep a request from waiting forever: an input that can never fit the pool
 is rejected with 400, and ``max_new_tokens`` is clamped so that one request
-alone always fits.
+alone always fits. ``flush_cache`` requests wait for the loop's next turn and
+flush memsvc's prefix tree only if no request is running or waiting.
 
 Faults: a step that fails because a peer failed goes to
 :class:`scheduler_svc.recovery.Recovery`, which repairs the engine's queues
@@ -46,6 +50,9 @@ from memsvc.server import remove_endpoint, serve_tasks
 from model_svc.errors import ModelSvcError
 from scheduler_svc import protocol as p
 from scheduler_svc.core import (
+    FinishAbort,
+    FinishMatchedStr,
+    FinishMatchedToken,
     Req,
     RequestTooLargeError,
     SamplingParams,
@@ -73,6 +80,8 @@ class Waiter:
     sent: int = 0  # output tokens already streamed
     fingerprint: str = ""  # input + sampling: a re-submission must match it
     client: str = ""  # the client that owns the rid: only it may re-submit or abort it
+    # max_new_tokens 0 with prompt logprobs (scoring): one token is run, none returned.
+    scoring: bool = False
 
 
 class SchedulerService:
@@ -110,6 +119,7 @@ class SchedulerService:
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._flushes: list[tuple[bytes, int]] = []  # flush_cache requests, run between steps
         self.stall = StallWatch()
         engine.emit = self._emit
         if mode == "decode":
@@ -170,6 +180,7 @@ class SchedulerService:
 
     async def _loop(self) -> None:
         while True:
+            await self._flush_cache()
             self.stall.step_begins(time.monotonic())
             progressed = False
             try:
@@ -183,6 +194,29 @@ class SchedulerService:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.engine.idle_wait_s(IDLE_WAIT_S))
+
+    async def _flush_cache(self) -> None:
+        """Answer the queued ``flush_cache`` requests (SGLang's: only with no request
+        running or waiting; memsvc then evicts everything evictable)."""
+        while self._flushes:
+            identity, op_id = self._flushes.pop(0)
+            engine = self.engine
+            if engine.reqs or not engine.idle:
+                num_running = len(engine.running)
+                flushed, message = (
+                    False,
+                    "Cache not flushed because there are pending requests. "
+                    f"#queue-req: {max(len(engine.reqs) - num_running, 0)}, "
+                    f"#running-req: {num_running}",
+                )
+            else:
+                try:
+                    evicted = await engine.mem.flush_cache()
+                    flushed, message = True, f"Cache flushed ({evicted} tokens evicted)."
+                except (MemsvcError, PeerDeadError) as exc:
+                    flushed, message = False, f"Cache not flushed: {exc}"
+            header = {"ok": True, "op_id": op_id, "flushed": flushed, "message": message}
+            self._outbox.put_nowait([identity, *wire.pack(header)])
 
     async def _recover(self, exc: BaseException) -> bool:
         """Repair the engine after a failed step; True if there is work to go on with."""
@@ -209,6 +243,9 @@ class SchedulerService:
     def _accept(self, identity: bytes, msg: Any) -> list[bytes] | None:
         if msg.op == "info":
             return wire.pack({"ok": True, "op_id": msg.op_id, **self.info()})
+        if msg.op == "flush_cache":
+            self._flushes.append((identity, msg.op_id))
+            return None
         if msg.op == "abort":
             waiter = self._waiters.get(msg.rid)
             if waiter is not None and waiter.client != msg.client:
@@ -233,40 +270,44 @@ class SchedulerService:
         cached = self._finished.get(msg.rid)
         if cached is not None and cached[:2] == (msg.client, fingerprint):
             return wire.pack({**cached[2], "op_id": msg.op_id})
-        if any(not 0 <= t < self.vocab_size for t in input_ids):
-            return _error(
-                msg.op_id, "bad_request", f"token ids must be in 0..{self.vocab_size - 1}", 400
-            )
-        if len(input_ids) >= self.max_context_len:
-            return _error(
-                msg.op_id,
-                "too_large",
-                f"input of {len(input_ids)} tokens reaches max_context_len {self.max_context_len}",
-                400,
-            )
+        refused = self._refusal(input_ids, msg)
+        if refused is not None:
+            return _error(msg.op_id, *refused)
         check_fits(len(input_ids), self.capacity, self.page_size)
         sampling = msg.sampling
         max_new = clamp_max_new_tokens(
             len(input_ids), sampling.max_new_tokens, self.capacity, self.page_size
         )
-        max_new = min(max_new, self.max_context_len - len(input_ids) - 1)
         if self.mode == "prefill":
             max_new = min(max_new, 1)  # the decode node generates the rest
+        start = msg.logprob_start_len if msg.return_logprob else -1
+        if msg.return_logprob and start == -1:
+            start = len(input_ids)  # SGLang: output logprobs only
+        scoring = max_new == 0 and 0 <= start < len(input_ids)
         req = Req(
             msg.rid,
             input_ids,
             SamplingParams(
-                max_new_tokens=max_new,
-                ignore_eos=sampling.ignore_eos,
+                max_new_tokens=1 if scoring else max_new,
+                ignore_eos=sampling.ignore_eos or scoring,
                 stop_token_ids=frozenset(sampling.stop_token_ids),
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k or -1,
                 seed=sampling.seed or None,
+                min_new_tokens=sampling.min_new_tokens,
+                stop_strs=tuple(sampling.stop),
+                no_stop_trim=sampling.no_stop_trim,
+                skip_special_tokens=sampling.skip_special_tokens,
+                min_p=sampling.min_p,
             ),
             priority=msg.priority,
             bootstrap_room=msg.bootstrap_room,
             bootstrap_rid=msg.bootstrap_rid,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=start,
+            top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
+            stop_decoder=self._stop_decoder if sampling.stop else None,
         )
         self._waiters[msg.rid] = Waiter(
             identity,
@@ -275,8 +316,9 @@ class SchedulerService:
             time.monotonic(),
             fingerprint=fingerprint,
             client=msg.client,
+            scoring=scoring,
         )
-        if max_new == 0:  # nothing to generate: done at once
+        if max_new == 0 and not scoring:  # nothing to generate: done at once
             self._waiters.pop(msg.rid)
             return wire.pack(
                 {
@@ -288,12 +330,69 @@ class SchedulerService:
                     "text": "",
                     "meta_info": {
                         **_meta(req, 0.0),
+                        **_logprob_meta(req, 0, 0, inputs=True),
                         "finish_reason": {"type": "length", "length": 0},
                     },
                 }
             )
         self.engine.submit(req)
         return None
+
+    def _refusal(self, input_ids: list[int], msg: Any) -> tuple[str, str, int] | None:
+        """SGLang's intake checks: (code, message, status) of the first that fails."""
+        num = len(input_ids)
+        bad = next((t for t in input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            message = f"Token ID {bad} is out of vocabulary (vocab size: {self.vocab_size})"
+            return "bad_request", message, 400
+        context = self.max_context_len
+        if num >= context:
+            message = (
+                f"The input ({num} tokens) is longer than the model's context length "
+                f"({context} tokens)."
+            )
+            return "too_large", message, 400
+        max_new = msg.sampling.max_new_tokens
+        if num + max_new > context:
+            message = (
+                "Requested token count exceeds the model's maximum context length of "
+                f"{context} tokens. You requested a total of {num + max_new} tokens: {num} "
+                f"tokens from the input messages and {max_new} tokens for the completion. "
+                "Please reduce the number of tokens in the input messages or the completion "
+                "to fit within the limit."
+            )
+            return "too_large", message, 400
+        if msg.return_logprob and self.mode != "normal":
+            message = "return_logprob is not supported in PD (prefill/decode) mode"
+            return "bad_request", message, 400
+        if msg.return_logprob and msg.logprob_start_len > num:
+            message = (
+                f"logprob_start_len={msg.logprob_start_len} is higher than the number of "
+                f"input tokens len(origin_input_ids)={num}. Please use a smaller "
+                "logprob_start_len."
+            )
+            return "bad_request", message, 400
+        return None
+
+    def _stop_decoder(self, token_ids: list[int]) -> str:
+        """How the stop-string check decodes (SGLang's tail: special tokens kept)."""
+        return self.tokenizer.decode(token_ids, skip_special=False)
+
+    def _text(self, req: Req) -> str:
+        """The output's text: decoded as ``skip_special_tokens`` says, cut before the
+        matched stop string or stop token unless ``no_stop_trim`` (as SGLang)."""
+        params = req.sampling_params
+        ids = req.output_ids
+        reason = req.finish_reason
+        trim = not params.no_stop_trim
+        if trim and isinstance(reason, FinishMatchedToken) and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special=params.skip_special_tokens)
+        if trim and isinstance(reason, FinishMatchedStr):
+            at = text.find(reason.matched)
+            if at != -1:
+                text = text[:at]
+        return text
 
     def _attach(
         self, identity: bytes, msg: Any, waiter: Waiter, fingerprint: str
@@ -332,6 +431,9 @@ class SchedulerService:
             return
         if not finished:
             if waiter.stream and len(req.output_ids) > waiter.sent:
+                end = len(req.output_ids)
+                meta = _meta(req, time.monotonic() - waiter.started)
+                del meta["finish_reason"]
                 header = {
                     "ok": True,
                     "op_id": waiter.op_id,
@@ -339,19 +441,30 @@ class SchedulerService:
                     "rid": req.rid,
                     "token_ids": req.output_ids[waiter.sent :],
                     "offset": waiter.sent,
+                    "meta_info": {
+                        **meta,
+                        **_logprob_meta(req, waiter.sent, end, inputs=waiter.sent == 0),
+                    },
                 }
-                waiter.sent = len(req.output_ids)
+                waiter.sent = end
                 self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
             return
         del self._waiters[req.rid]
+        meta = _meta(req, time.monotonic() - waiter.started)
+        num_out = len(req.output_ids)
+        if waiter.scoring:  # one token was run for the prompt's logprobs: none is returned
+            num_out = 0
+            meta["completion_tokens"] = 0
+            if not isinstance(req.finish_reason, FinishAbort):
+                meta["finish_reason"] = {"type": "length", "length": 0}
         header = {
             "ok": True,
             "op_id": waiter.op_id,
             "type": "done",
             "rid": req.rid,
-            "output_ids": list(req.output_ids),
-            "text": self.tokenizer.decode(req.output_ids),
-            "meta_info": _meta(req, time.monotonic() - waiter.started),
+            "output_ids": list(req.output_ids[:num_out]),
+            "text": self._text(req) if num_out else "",
+            "meta_info": {**meta, **_logprob_meta(req, 0, num_out, inputs=True)},
         }
         self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
         self._finished[req.rid] = (waiter.client, waiter.fingerprint, dict(header))
@@ -421,7 +534,7 @@ class SchedulerService:
 
 def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
     reason = req.finish_reason.to_json() if req.finish_reason else None
-    return {
+    meta = {
         "finish_reason": reason,
         "prompt_tokens": len(req.origin_input_ids),
         "completion_tokens": len(req.output_ids),
@@ -429,6 +542,46 @@ def _meta(req: Req, e2e_latency: float) -> dict[str, Any]:
         "num_retractions": req.retraction_count,
         "e2e_latency": e2e_latency,
     }
+    # Hierarchical cache: the hit per tier, as SGLang (only when something was cached).
+    if req.cached_tokens_details is not None and req.cached_tokens > 0:
+        meta["cached_tokens_details"] = dict(req.cached_tokens_details)
+    return meta
+
+
+def _logprob_meta(req: Req, start: int, end: int, *, inputs: bool) -> dict[str, Any]:
+    """SGLang's logprob keys of ``meta_info`` (none without ``return_logprob``): output
+    positions ``start..end-1``, and the prompt's with ``inputs``. Entries are
+    ``[logprob, token_id, None]`` (SGLang's, with return_text_in_logprobs false)."""
+    if not req.return_logprob:
+        return {}
+    state = req.logprob
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [
+            [value, token, None]
+            for value, token in zip(
+                state.output_vals[start:end], req.output_ids[start:end], strict=False
+            )
+        ]
+    }
+    top = req.top_logprobs_num > 0
+    if top:
+        meta["output_top_logprobs"] = [_top_entry(entry) for entry in state.output_tops[start:end]]
+    if inputs:
+        prompt = req.origin_input_ids[req.logprob_start_len :] if state.input_done else []
+        meta["input_token_logprobs"] = [
+            [value, token, None] for value, token in zip(state.input_vals, prompt, strict=False)
+        ]
+        if top:
+            tops = state.input_tops if state.input_done else []
+            meta["input_top_logprobs"] = [_top_entry(entry) for entry in tops]
+    return meta
+
+
+def _top_entry(entry: Any) -> list[list[Any]] | None:
+    """One position's top logprobs, ``[[logprob, token_id, None], ...]``, or None."""
+    if entry is None:
+        return None
+    return [[value, token, None] for value, token in entry]
 
 
 def _fingerprint(input_ids: list[int], msg: Any) -> str:
@@ -437,6 +590,7 @@ def _fingerprint(input_ids: list[int], msg: Any) -> str:
     digest.update(repr(input_ids).encode())
     digest.update(msg.sampling.model_dump_json().encode())
     digest.update(repr(msg.priority).encode())
+    digest.update(repr((msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)).encode())
     return digest.hexdigest()
 
 

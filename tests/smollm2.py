@@ -164,7 +164,10 @@ def hf_greedy(
     return torch.load(path)
 
 
-def transformers_greedy(checkpoint: Path, prompts: dict[str, list[int]]) -> dict[str, dict]:
+def transformers_greedy(
+    checkpoint: Path, prompts: dict[str, list[int]], max_new: int = NUM_NEW
+) -> dict[str, dict]:
+    """transformers' greedy ``max_new`` tokens of each prompt, and the scores of each step."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
@@ -175,7 +178,7 @@ def transformers_greedy(checkpoint: Path, prompts: dict[str, list[int]]) -> dict
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=NUM_NEW,
+                max_new_tokens=max_new,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=2,

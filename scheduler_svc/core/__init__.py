@@ -34,6 +34,7 @@ from scheduler_svc.core.ratio import NewTokenRatioTracker
 from scheduler_svc.core.request import (
     FinishAbort,
     FinishLength,
+    FinishMatchedStr,
     FinishMatchedToken,
     FinishReason,
     Req,
@@ -50,6 +51,7 @@ __all__ = [
     "ConfigError",
     "FinishAbort",
     "FinishLength",
+    "FinishMatchedStr",
     "FinishMatchedToken",
     "FinishReason",
     "IllegalTransitionError",

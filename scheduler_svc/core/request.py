@@ -25,12 +25,29 @@ written by the next decode step, which is why it opens a new page when
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 from scheduler_svc.core.errors import IllegalTransitionError
+
+
+@dataclass(slots=True)
+class LogprobState:
+    """What a ``return_logprob`` request computed (SGLang's ``req.logprob``).
+
+    ``input_vals[j]``: until the prefill completes, the logprob of prompt token
+    ``logprob_start_len + j + 1`` (the last one: of the first output token);
+    then SGLang's shape, ``[None] + ...[:-1]``. ``output_vals`` and
+    ``output_tops`` run parallel to ``output_ids`` and survive a retract.
+    """
+
+    input_vals: list[float | None] = field(default_factory=list)
+    input_tops: list[Any] = field(default_factory=list)
+    input_done: bool = False
+    output_vals: list[float | None] = field(default_factory=list)
+    output_tops: list[Any] = field(default_factory=list)
 
 
 class ReqState(IntEnum):
@@ -68,11 +85,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    min_new_tokens: int = 0  # EOS / stop ids are masked out before this many tokens
+    stop_strs: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        object.__setattr__(self, "stop_strs", tuple(self.stop_strs))
+
+    @property
+    def stop_str_max_len(self) -> int:
+        return max(map(len, self.stop_strs), default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +119,14 @@ class FinishMatchedToken:
 
 
 @dataclass(frozen=True, slots=True)
+class FinishMatchedStr:
+    matched: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass(frozen=True, slots=True)
 class FinishAbort:
     message: str
     status_code: int
@@ -100,7 +135,7 @@ class FinishAbort:
         return {"type": "abort", "message": self.message, "status_code": self.status_code}
 
 
-FinishReason = FinishLength | FinishMatchedToken | FinishAbort
+FinishReason = FinishLength | FinishMatchedToken | FinishMatchedStr | FinishAbort
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +157,13 @@ class Req:
     bootstrap_room: int | None = None
     bootstrap_rid: str | None = None  # the decode side's rid, if not ``rid`` (re-bootstrap)
     arrival_time: float = field(default_factory=time.monotonic)
+    # SGLang's logprobs: ``logprob_start_len`` resolved (-1 became len(origin_input_ids):
+    # output logprobs only); ``logprob`` holds what was computed.
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    # Decodes output ids for the stop-string check (the service sets it when ``stop``).
+    stop_decoder: Callable[[list[int]], str] | None = None
 
     state: ReqState = field(default=ReqState.WAITING, init=False)
     row: int | None = field(default=None, init=False)
@@ -140,7 +182,12 @@ class Req:
     # Forward pass at which a retracted request was last re-admitted (-1: never retracted).
     readmit_step: int = field(default=-1, init=False)
     cached_tokens: int = field(default=0, init=False)
+    # Hierarchical cache: where that hit came from (SGLang's cached_tokens_details,
+    # {"device": .., "host": .., "storage": .., "storage_backend": ..}); None when the
+    # hierarchy is off.
+    cached_tokens_details: dict[str, int | str] | None = field(default=None, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
+    logprob: LogprobState = field(init=False)
     # Time stamps (time.monotonic()).
     queue_entry_time: float = field(default=0.0, init=False)
     first_scheduled_time: float | None = field(default=None, init=False)
@@ -154,6 +201,7 @@ class Req:
         self.origin_input_ids = list(self.origin_input_ids)
         self.output_ids = list(self.output_ids)
         self.queue_entry_time = self.arrival_time
+        self.logprob = LogprobState()
 
     # -- derived ---------------------------------------------------------------
 
@@ -165,6 +213,56 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """The prompt's logprobs are asked for and not computed yet."""
+        return (
+            self.return_logprob
+            and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+            and not self.logprob.input_done
+        )
+
+    @property
+    def max_prefix_len(self) -> int:
+        """How much of the prompt a prefix match may cover: at most up to
+        ``logprob_start_len`` while the prompt's logprobs are still to compute
+        (a cached position has no logits), as SGLang."""
+        limit = len(self.fill_ids) - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, self.logprob_start_len)
+        return limit
+
+    def record_input_logprobs(self, prefix_len: int, data: dict[str, Any] | None) -> None:
+        """The extend that computed positions ``prefix_len..`` of this round gave ``data``
+        (the worker's entry for positions from ``max(logprob_start_len, prefix_len)``)."""
+        if not self.wants_input_logprobs or data is None:
+            return
+        self.logprob.input_vals.extend(data["logprobs"])
+        if self.top_logprobs_num > 0:
+            self.logprob.input_tops.extend(
+                None if top is None else [list(pair) for pair in zip(*top, strict=True)]
+                for top in data.get("top") or []
+            )
+
+    def finish_input_logprobs(self) -> None:
+        """The prefill is complete: SGLang's shape (first None, the sampling one dropped)."""
+        if not self.wants_input_logprobs:
+            return
+        state = self.logprob
+        num = len(self.origin_input_ids) - self.logprob_start_len
+        state.input_vals = [None, *state.input_vals[: num - 1]]
+        if self.top_logprobs_num > 0:
+            state.input_tops = [None, *state.input_tops[: num - 1]]
+        state.input_done = True
+
+    def record_output_logprob(self, logprob: float | None, top: Any) -> None:
+        """The logprob (and top-k, ``[[logprob, id], ...]``) of the token just appended."""
+        if not self.return_logprob:
+            return
+        self.logprob.output_vals.append(logprob)
+        if self.top_logprobs_num > 0:
+            self.logprob.output_tops.append(top)
 
     @property
     def is_finished(self) -> bool:
@@ -214,6 +312,15 @@ class Req:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = time.monotonic()
 
+    def record_cache_tiers(self, details: dict[str, int | str]) -> None:
+        """Where :meth:`start_prefill`'s prefix hit came from, per cache tier.
+
+        Counted like ``cached_tokens``: on the first attempt only (and so on
+        its first chunk only, the one a prefix match starts).
+        """
+        if not self.retracted_stain and self.cached_tokens_details is None:
+            self.cached_tokens_details = dict(details)
+
     def unschedule(self) -> None:
         """Undo :meth:`start_prefill`: the pool had no room for its round after all.
 
@@ -231,6 +338,7 @@ class Req:
         self._move(target)
         if not self.retracted_stain:
             self.cached_tokens -= self.prefix_len
+            self.cached_tokens_details = None
         self.row = None
         self.prefix_len = self.extend_len = self.kv_len = self.already_computed = 0
         self.is_chunked = self.extend_in_flight = False
@@ -334,6 +442,8 @@ class Req:
         state. ``retraction_count`` grows and ``retracted_stain`` sticks.
         """
         self._move(ReqState.RETRACTED)
+        if not self.logprob.input_done:  # the prefill did not finish: computed again
+            self.logprob.input_vals, self.logprob.input_tops = [], []
         self.row = None
         self.prefix_len = self.extend_len = self.kv_len = self.already_computed = 0
         self.is_chunked = self.extend_in_flight = False
@@ -356,10 +466,35 @@ class Req:
             self._finish(FinishLength(params.max_new_tokens))
             return True
         last = self.output_ids[-1]
-        if not params.ignore_eos and (last in params.stop_token_ids or last in eos_token_ids):
+        stops = len(self.output_ids) > params.min_new_tokens  # earlier ones are masked out
+        if (
+            stops
+            and not params.ignore_eos
+            and (last in params.stop_token_ids or last in eos_token_ids)
+        ):
             self._finish(FinishMatchedToken(last))
             return True
+        matched = self._matched_stop_str()
+        if matched is not None:
+            self._finish(FinishMatchedStr(matched))
+            return True
         return False
+
+    def _matched_stop_str(self) -> str | None:
+        """The first of ``stop`` in the decoded tail of the output (SGLang's tail check:
+        as many tokens as the longest stop string has characters, plus one)."""
+        params = self.sampling_params
+        if not params.stop_strs or self.stop_decoder is None:
+            return None
+        tail = self.stop_decoder(self.output_ids[-(params.stop_str_max_len + 1) :])
+        return next((stop for stop in params.stop_strs if stop in tail), None)
+
+    def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> list[int]:
+        """What the next token may not be: EOS and the stop ids, before ``min_new_tokens``."""
+        params = self.sampling_params
+        if len(self.output_ids) >= params.min_new_tokens:
+            return []
+        return sorted(set(eos_token_ids) | params.stop_token_ids)
 
     def _finish(self, reason: FinishReason) -> None:
         self._move(ReqState.FINISHED)

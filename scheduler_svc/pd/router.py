@@ -1,6 +1,8 @@
 """``python -m scheduler_svc.pd.router``: the PD front, with the normal-mode generate API.
 
-A client talks to the router exactly as to a normal-mode scheduler. For each
+A client talks to the router exactly as to a normal-mode scheduler (but for
+``return_logprob``, refused with 400: the first token's logprobs would be on
+the prefill node; ``flush_cache`` goes to both nodes). For each
 ``generate`` the router derives a bootstrap room from the rid and sends the
 request to both nodes: the prefill scheduler computes the prompt's KV and first token and
 memsvc-P writes them into the pages memsvc-D preallocated; the decode
@@ -165,6 +167,8 @@ class Router:
                     await self._generate(identity, msg)
                 elif msg.op == "abort":
                     self.spawn(self._abort(identity, msg))
+                elif msg.op == "flush_cache":
+                    self.spawn(self._flush_cache(identity, msg))
                 else:
                     self.spawn(self._info(identity, msg))
             except wire.ProtocolError as exc:
@@ -173,6 +177,10 @@ class Router:
                 await self._reply(identity, error_reply(op_id, exc.code, exc.message, 400))
 
     async def _generate(self, identity: bytes, msg: p.Generate) -> None:
+        if msg.return_logprob:
+            message = "return_logprob is not supported in PD (prefill/decode) mode"
+            await self._reply(identity, error_reply(msg.op_id, "bad_request", message, 400))
+            return
         key = fingerprint(msg)
         live = self.flights.get(msg.rid)
         if live is not None:
@@ -269,6 +277,21 @@ class Router:
             await self._reply(identity, wire.pack({**found, "op_id": msg.op_id}))
             return
         reply = {"ok": True, "op_id": msg.op_id, "found": bool(found and found.get("found"))}
+        await self._reply(identity, wire.pack(reply))
+
+    async def _flush_cache(self, identity: bytes, msg: p.FlushCache) -> None:
+        """SGLang's flush_cache on both nodes: flushed only if both flushed."""
+        flushed, messages = True, []
+        for name, sock in (("prefill", self.prefill), ("decode", self.decode)):
+            reply = await self.call(sock, {"op": "flush_cache"})
+            if reply is None or not reply.get("ok"):
+                why = "no answer" if reply is None else reply.get("message", "")
+                flushed, text = False, f"Cache not flushed: {why}"
+            else:
+                flushed = flushed and bool(reply.get("flushed"))
+                text = str(reply.get("message", ""))
+            messages.append(f"{name}: {text}")
+        reply = {"ok": True, "op_id": msg.op_id, "flushed": flushed, "message": "; ".join(messages)}
         await self._reply(identity, wire.pack(reply))
 
     def _prefill_rids(self, rid: str) -> list[str]:

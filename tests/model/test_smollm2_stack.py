@@ -9,7 +9,9 @@ outgrows the pool. In normal mode with each retract mode that changes what a
 victim's KV becomes (recompute: freed and re-prefilled; offload: copied to
 memsvc's host store and back) and in PD mode (the decode node offloads its
 victims). Every output must be transformers' own greedy continuation, token
-for token, and each stack must really have retracted, and end idle.
+for token, and each stack must really have retracted, and end idle. In normal
+mode the requests also ask for logprobs (return_logprob, top 2): each output
+token's must be transformers' log_softmax of that step's scores.
 
 (c) ``kvstack serve --model-path smollm2`` (resolved in the session's kvstack
 home) answers a chat prompt, rendered with the checkpoint's template, on
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import torch
 
 from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
@@ -40,17 +43,35 @@ SMALL = ["--num-pages", "64"]  # 256 tokens
 GREEDY = {"max_new_tokens": NUM_NEW}
 
 
-def run_all(address: str, prompts: dict[str, list[int]]) -> dict:
-    """Every prompt at once; the results by rid."""
+def run_all(address: str, prompts: dict[str, list[int]], **logprobs) -> dict:
+    """Every prompt at once; the results by rid. ``logprobs``: SGLang's logprob arguments."""
 
     async def go() -> dict:
         async with AsyncGenerateClient(address, timeout_s=300) as client:
             results = await asyncio.gather(
-                *(client.generate(ids, rid=rid, sampling=GREEDY) for rid, ids in prompts.items())
+                *(
+                    client.generate(ids, rid=rid, sampling=GREEDY, **logprobs)
+                    for rid, ids in prompts.items()
+                )
             )
         return {r.rid: r for r in results}
 
     return asyncio.run(go())
+
+
+def check_logprobs_against_transformers(results: dict, hf_greedy: dict) -> None:
+    """Each output token's logprob is transformers' log_softmax of its greedy step's scores
+    (one per token, none lost or repeated by the retracts), with the top-2 alike."""
+    for rid, r in results.items():
+        logprobs = r.meta_info["output_token_logprobs"]
+        assert [token for _, token, _ in logprobs] == r.output_ids, rid
+        want = torch.log_softmax(hf_greedy[rid]["scores"][: len(r.output_ids)], dim=-1)
+        expected = want.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        got = torch.tensor([value for value, _, _ in logprobs])
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3, msg=rid)
+        tops = r.meta_info["output_top_logprobs"]
+        assert [top[0][1] for top in tops] == r.output_ids, rid  # greedy: the best one
+        assert all(len(top) == 2 for top in tops)
 
 
 def check_against_transformers(results: dict, hf_greedy: dict, hf_tokenizer) -> int:
@@ -84,8 +105,11 @@ def test_normal_mode_under_retract_pressure_equals_transformers(
             [*POOL, *SMALL],
             [*PRESSURE, "--retract-mode", retract_mode],
         )
-        results = run_all(sched.address, prompts)
+        # With logprobs asked for (their bookkeeping must survive the retracts): the
+        # greedy tokens are the same, and their logprobs are transformers'.
+        results = run_all(sched.address, prompts, return_logprob=True, top_logprobs_num=2)
         retractions = check_against_transformers(results, hf_greedy, hf_tokenizer)
+        check_logprobs_against_transformers(results, hf_greedy)
         with GenerateClient(sched.address) as client:
             stats = client.info()["stats"]
         assert retractions > 0 and stats["retracted_reqs"] == retractions

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from memsvc.client import MemClient
-from scheduler_svc.client import GenerateClient
+from scheduler_svc.client import GenerateClient, GenerateError
 from tests.scheduler_service.test_normal_mode import (
     finish_ids,
     reference_run,
@@ -58,6 +58,37 @@ def test_pd_outputs_equal_normal_mode_without_pressure(launcher, checkpoint, ref
     stats = info(up["router"])
     assert stats["mode"] == "pd" and stats["stats"]["retracted_reqs"] == 0
     assert stats["stats"]["prefill_tokens"] == 0  # the decode node computes no prefill
+    idle_check(up["memsvc-p"], up["memsvc-d"])
+    check_sglang_generate_through_the_router(up, reference)
+
+
+def check_sglang_generate_through_the_router(up, reference) -> None:
+    """On the same stack: streamed meta_info and stop strings pass the router,
+    return_logprob is refused (400, named), flush_cache flushes both nodes."""
+    rid, prompt, _ = reference["reqs"][1]
+    want = reference["outputs"][rid]
+    with GenerateClient(up["router"].address, timeout_s=120) as client:
+        items = list(client.stream(prompt, sampling={"max_new_tokens": 12, "ignore_eos": True}))
+        chunks = items[:-1]
+        assert chunks and items[-1].output_ids == want[:12]
+        for chunk in chunks:
+            meta = chunk.meta_info
+            assert meta["prompt_tokens"] == len(prompt)
+            assert meta["completion_tokens"] == chunk.offset + len(chunk.token_ids)
+        # A stop token id in the middle of the output ends it there, as in normal mode.
+        stop = want[4]
+        got = client.generate(prompt, sampling={"max_new_tokens": 12, "stop_token_ids": [stop]})
+        assert got.output_ids == want[: want.index(stop) + 1]
+        with pytest.raises(GenerateError, match="return_logprob") as err:
+            client.generate(prompt, return_logprob=True)
+        assert err.value.status_code == 400
+        flushed, message = client.flush_cache()
+        assert flushed, message
+        assert "prefill:" in message and "decode:" in message
+    for name in ("memsvc-p", "memsvc-d"):
+        with MemClient(up[name].address) as mem:
+            mem.heartbeat()
+            assert mem.sizes.evictable == 0, name
     idle_check(up["memsvc-p"], up["memsvc-d"])
 
 
