@@ -36,18 +36,33 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser.subcommands = {}  # name -> its parser, for errors in its own usage
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(
             name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter
         )
+        parser.subcommands[name] = sub
         if name == chosen:
             importlib.import_module(module).add_arguments(sub)
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a flag the subcommand does not know is refused in its own usage.
+
+    (argparse's subparsers hand unknown flags back to the top-level parser,
+    whose error would print ``kvstack``'s usage, not the subcommand's.)
+    """
+    parser = build_parser(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args = parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     return int(module.run(args) or 0)
 

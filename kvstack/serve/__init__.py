@@ -2,5 +2,7 @@
 
 - :mod:`.cli`: the command (flags, starting the stack, signals);
 - :mod:`.app`: the aiohttp application and its routes;
-- :mod:`.api`: request bodies, SSE framing and the metrics merge.
+- :mod:`.api`: request bodies, SSE framing and the metrics merge;
+- :mod:`.sglang_fields`: SGLang's request fields, which are honoured, which refused;
+- :mod:`.openai_api`: the OpenAI-compatible request and answer shapes.
 """

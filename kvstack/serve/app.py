@@ -1,5 +1,13 @@
 """The aiohttp application of ``kvstack serve``: SGLang's endpoints over the generate API.
 
+SGLang's native API (``/generate`` single and batch, ``/health``,
+``/health_generate``, ``/model_info``, ``/server_info``, ``/flush_cache``,
+``/abort_request``, ``/metrics``) and the OpenAI-compatible one
+(``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``). Every
+generation is one or more scheduler requests (a batch, ``n`` samples), each
+streamed from the scheduler so that the front measures SGLang's time to first
+token and inter-token latency also for requests answered whole.
+
 ``HttpFront`` owns the clients it uses to reach the scheduler (one for
 generation, with a long timeout; one for info and aborts, with a short one)
 and an HTTP session for scraping the services' metrics; all are opened and
@@ -9,29 +17,37 @@ closed with the application.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from kvstack.serve import openai_api as oai
 from kvstack.serve.api import (
     SSE_DONE,
     AbortIn,
     ApiError,
     FrontMetrics,
-    GenerateIn,
+    GenerateOne,
+    StreamMeta,
     StreamText,
     error_response,
     http_status,
     merge_metrics,
+    openai_error_body,
     parse_body,
+    parse_generate,
     parse_metrics,
+    read_json,
     sse,
+    with_logprob_text,
 )
 from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys
@@ -41,6 +57,12 @@ log = logging.getLogger("kvstack.http")
 
 MAX_BODY_BYTES = 64 << 20  # a prompt of MAX_PROMPT_TOKENS ids, as JSON, fits
 SCRAPE_TIMEOUT_S = 3.0
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)  # SGLang's answer
 
 
 @dataclass
@@ -57,6 +79,9 @@ class Backend:
 # -- the HTTP front ---------------------------------------------------------------------------
 
 
+Item = Chunk | GenerateResult
+
+
 class HttpFront:
     """The aiohttp application and the clients it uses to reach the scheduler."""
 
@@ -69,6 +94,7 @@ class HttpFront:
         incremental_streaming: bool = False,
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 5.0,
+        served_model_name: str | None = None,
     ) -> None:
         self.backend = backend
         self.mode = mode
@@ -76,22 +102,37 @@ class HttpFront:
         self.incremental_streaming = incremental_streaming
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
-        self.metrics = FrontMetrics()
+        # SGLang's default served model name is the model path
+        self.model_path = str(backend.checkpoint) if backend.checkpoint is not None else "tiny"
+        self.served_model_name = served_model_name or self.model_path
+        self.metrics = FrontMetrics(self.served_model_name, "unified")
         self._inflight: set[str] = set()
         self._background: set[asyncio.Task] = set()
         self._generate: AsyncGenerateClient | None = None
         self._control: AsyncGenerateClient | None = None
         self._http: ClientSession | None = None
+        self._max_context_len: int | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.add_routes(
             [
                 web.post("/generate", self.generate),
+                web.put("/generate", self.generate),
                 web.get("/health", self.health),
+                web.get("/health_generate", self.health_generate),
+                web.get("/get_model_info", self.model_info),
+                web.get("/model_info", self.model_info),
                 web.get("/get_server_info", self.server_info),
+                web.get("/server_info", self.server_info),
+                web.get("/flush_cache", self.flush_cache),
+                web.post("/flush_cache", self.flush_cache),
                 web.post("/abort_request", self.abort_request),
                 web.get("/metrics", self.metrics_endpoint),
+                web.get("/v1/models", self.list_models),
+                web.get("/v1/models/{model:.+}", self.retrieve_model),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
             ]
         )
         app.on_startup.append(self._open)
@@ -99,9 +140,9 @@ class HttpFront:
         return app
 
     async def _open(self, app: web.Application) -> None:
-        # Generate replies can be silent for a whole generation (non-streaming): a long
-        # timeout. info and abort are quick, and /health must say 503 quickly. One client
-        # id for both: the scheduler lets only the client that submitted a rid abort it.
+        # Generate replies can be silent for a whole prefill: a long timeout. info and
+        # abort are quick, and /health must say 503 quickly. One client id for both: the
+        # scheduler lets only the client that submitted a rid abort it.
         self._generate = AsyncGenerateClient(
             self.backend.scheduler, timeout_s=self.request_timeout_s, curve=self.backend.curve
         )
@@ -124,8 +165,9 @@ class HttpFront:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Every error as ``{"error": ...}`` JSON, and every answer counted."""
+        """Every error as JSON (OpenAI's error object under /v1/), every answer counted."""
         status = 500
+        openai = request.path.startswith("/v1/")
         try:
             response = await handler(request)
             status = response.status
@@ -135,123 +177,459 @@ class HttpFront:
             raise
         except ApiError as exc:
             status = exc.status
+            if openai:
+                body = openai_error_body(exc.status, exc.message, exc.param)
+                return web.json_response(body, status=exc.status)
             return error_response(exc.status, exc.code, exc.message)
         except web.HTTPException as exc:  # aiohttp's own: 404, 405, 413...
             status = exc.status
+            if openai:
+                body = openai_error_body(exc.status, exc.text or exc.reason)
+                return web.json_response(body, status=exc.status)
             code = exc.reason.lower().replace(" ", "_")
             return error_response(exc.status, code, exc.text or exc.reason)
         except Exception as exc:
             log.exception("%s %s failed", request.method, request.path)
-            return error_response(500, "internal", f"{type(exc).__name__}: {exc}")
+            message = f"{type(exc).__name__}: {exc}"
+            if openai:
+                body = openai_error_body(500, f"Internal server error: {message}")
+                return web.json_response(body, status=500)
+            return error_response(500, "internal", message)
         finally:
             route = request.match_info.route.resource
             endpoint = route.canonical if route is not None else "other"
             self.metrics.requests.labels(endpoint, str(status)).inc()
 
-    # -- /generate ------------------------------------------------------------------------
+    # -- one scheduler request ------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body: GenerateIn = await parse_body(request, GenerateIn)
-        rid = body.rid or uuid.uuid4().hex
+    def _rids(self, ones: Sequence[GenerateOne]) -> list[str]:
+        rids = [one.rid or uuid.uuid4().hex for one in ones]
+        seen: set[str] = set()
+        for rid in rids:
+            if rid in self._inflight or rid in seen:
+                raise ApiError(400, "duplicate_rid", f"request {rid!r} is already running")
+            seen.add(rid)
+        return rids
+
+    async def _events(self, one: GenerateOne, rid: str, *, stream: bool) -> AsyncIterator[Item]:
+        """The scheduler's chunks and result for ``one``, its errors as :class:`ApiError`;
+        SGLang's request metrics recorded. Closed before the result: the request is
+        aborted (the client went away, or another request of its batch failed)."""
+        assert self._generate is not None
+        kwargs = {
+            "text": one.text,
+            "sampling": one.sampling_params.to_scheduler(),
+            "rid": rid,
+            "priority": one.priority,
+            **self._logprob_kwargs(one),
+        }
         if rid in self._inflight:
             raise ApiError(400, "duplicate_rid", f"request {rid!r} is already running")
-        started = time.monotonic()
+        started = last = time.monotonic()
+        first = True
+        settled = False  # finished, or refused by the scheduler: nothing to abort
+        sglang = self.metrics.sglang
         self._inflight.add(rid)
         self.metrics.inflight.inc()
         try:
-            items = self._generate_items(body, rid)
-            try:
-                if body.stream:
-                    return await self._stream(request, rid, items, started)
-                return await self._whole(rid, items, started)
-            finally:
-                await items.aclose()
-        except (asyncio.CancelledError, ConnectionResetError):
-            # The client went away: stop generating for nobody.
-            self._abort_later(rid)
-            raise
+            async for item in self._generate.stream(one.input_ids, **kwargs):
+                now = time.monotonic()
+                if isinstance(item, GenerateResult):
+                    settled = True
+                    if one.log_metrics:
+                        if first:
+                            sglang.first_token(now - started, stream=stream)
+                        sglang.finished(item.meta_info, now - started, stream=stream)
+                elif one.log_metrics:
+                    if first:
+                        sglang.first_token(now - started, stream=stream)
+                    else:
+                        sglang.next_tokens(now - last, len(item.token_ids))
+                first, last = False, now
+                yield item
+        except GenerateError as exc:
+            settled = not isinstance(exc, PeerDeadError)
+            raise ApiError(http_status(exc.status_code), exc.code, str(exc)) from None
+        except PeerDeadError as exc:
+            raise ApiError(503, "scheduler_unavailable", str(exc)) from None
         finally:
             self._inflight.discard(rid)
             self.metrics.inflight.dec()
             self.metrics.generate_seconds.observe(time.monotonic() - started)
+            if not settled:
+                self._abort_later(rid)
 
-    async def _generate_items(
-        self, body: GenerateIn, rid: str
-    ) -> AsyncIterator[Chunk | GenerateResult]:
-        """The scheduler's chunks (when streaming) and result, its errors as :class:`ApiError`."""
-        assert self._generate is not None
-        kwargs = {
-            "text": body.text,
-            "sampling": body.sampling_params.to_scheduler(),
-            "rid": rid,
-            "priority": body.priority,
-        }
-        try:
-            if body.stream:
-                async for item in self._generate.stream(body.input_ids, **kwargs):
-                    yield item
-            else:
-                yield await self._generate.generate(body.input_ids, **kwargs)
-        except GenerateError as exc:
-            raise ApiError(http_status(exc.status_code), exc.code, str(exc)) from None
-        except PeerDeadError as exc:
-            raise ApiError(503, "scheduler_unavailable", str(exc)) from None
+    def _logprob_kwargs(self, one: GenerateOne) -> dict[str, Any]:
+        kwargs = one.logprob_kwargs()
+        if kwargs and "return_logprob" not in _stream_parameters():
+            raise ApiError(
+                400, "unsupported_field", "return_logprob: this scheduler does not return logprobs"
+            )
+        return kwargs
 
-    async def _whole(
-        self, rid: str, items: AsyncIterator[Chunk | GenerateResult], started: float
-    ) -> web.Response:
-        async for item in items:
-            if isinstance(item, GenerateResult):
-                return web.json_response(
-                    {
-                        "text": item.text,
-                        "output_ids": item.output_ids,
-                        "meta_info": self._meta(rid, item, started),
-                    }
-                )
-        raise ApiError(503, "scheduler_unavailable", "the scheduler ended without a result")
+    async def _results(self, gens: Sequence[AsyncIterator[Item]]) -> list[GenerateResult]:
+        """Each request's result; the first failure aborts the others and is raised."""
 
-    async def _stream(
-        self,
-        request: web.Request,
-        rid: str,
-        items: AsyncIterator[Chunk | GenerateResult],
-        started: float,
-    ) -> web.StreamResponse:
-        # Wait for the first item before answering, so an intake rejection is a plain 4xx.
-        first = await anext(items, None)
-        if first is None:
+        async def result(gen: AsyncIterator[Item]) -> GenerateResult:
+            async for item in gen:
+                if isinstance(item, GenerateResult):
+                    return item
             raise ApiError(503, "scheduler_unavailable", "the scheduler ended without a result")
+
+        tasks = [asyncio.ensure_future(result(gen)) for gen in gens]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _firsts(self, gens: Sequence[AsyncIterator[Item]]) -> list[Item]:
+        """The first item of each request (before the status line is sent, so that an
+        intake rejection is a plain 4xx); a failure aborts the others and is raised."""
+
+        async def first(gen: AsyncIterator[Item]) -> Item:
+            item = await anext(gen, None)
+            if item is None:
+                raise ApiError(503, "scheduler_unavailable", "the scheduler ended without a result")
+            return item
+
+        tasks = [asyncio.ensure_future(first(gen)) for gen in gens]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    @staticmethod
+    async def _merged(
+        gens: Sequence[AsyncIterator[Item]], firsts: Sequence[Item]
+    ) -> AsyncIterator[tuple[int, Item]]:
+        """``(index, item)`` of all requests as they come, each request's own in order."""
+        pending: dict[asyncio.Future, int] = {}
+
+        def follow(i: int) -> None:
+            pending[asyncio.ensure_future(anext(gens[i]))] = i
+
+        try:
+            for i, item in enumerate(firsts):
+                yield i, item
+                if not isinstance(item, GenerateResult):
+                    follow(i)
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    try:
+                        item = task.result()
+                    except StopAsyncIteration:
+                        raise ApiError(
+                            503, "scheduler_unavailable", "the scheduler ended without a result"
+                        ) from None
+                    yield i, item
+                    if not isinstance(item, GenerateResult):
+                        follow(i)
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        text = StreamText(self.tokenizer, incremental=self.incremental_streaming)
-        item: Chunk | GenerateResult | None = first
+        return response
+
+    # -- /generate ------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_generate(await read_json(request))
+        rids = self._rids(parsed.items)
+        started = time.monotonic()
+        gens = [
+            self._events(one, rid, stream=parsed.stream)
+            for one, rid in zip(parsed.items, rids, strict=True)
+        ]
+        async with contextlib.AsyncExitStack() as closing:
+            for gen in gens:
+                closing.push_async_callback(gen.aclose)  # type: ignore[attr-defined]
+            if parsed.stream:
+                return await self._native_stream(
+                    request, parsed.items, rids, gens, parsed.batch, started
+                )
+            results = await self._results(gens)
+            outs = [
+                {
+                    "text": result.text,
+                    "output_ids": result.output_ids,
+                    "meta_info": self._native_meta(one, rid, result.meta_info, started),
+                }
+                for one, rid, result in zip(parsed.items, rids, results, strict=True)
+            ]
+            return web.json_response(outs if parsed.batch else outs[0])
+
+    def _native_meta(
+        self, one: GenerateOne, rid: str, meta_info: dict[str, Any], started: float
+    ) -> dict[str, Any]:
+        # The scheduler's meta_info, with SGLang's id, and the latency the client sees.
+        meta = {**meta_info, "id": rid, "e2e_latency": time.monotonic() - started}
+        return with_logprob_text(meta, self.tokenizer) if one.return_text_in_logprobs else meta
+
+    async def _native_stream(
+        self,
+        request: web.Request,
+        ones: Sequence[GenerateOne],
+        rids: Sequence[str],
+        gens: Sequence[AsyncIterator[Item]],
+        batch: bool,
+        started: float,
+    ) -> web.StreamResponse:
+        firsts = await self._firsts(gens)
+        response = await self._open_stream(request)
+        incremental = self.incremental_streaming
+        texts = [_stream_text(self.tokenizer, one, incremental=incremental) for one in ones]
+        metas = [StreamMeta(rid, incremental=incremental) for rid in rids]
         try:
-            while item is not None:
-                if isinstance(item, Chunk):
-                    payload = text.chunk(item.token_ids)
-                    payload["meta_info"] = {
-                        "id": rid,
-                        "finish_reason": None,
-                        "completion_tokens": item.offset + len(item.token_ids),
-                    }
-                else:
-                    payload = text.done(item)
-                    payload["meta_info"] = self._meta(rid, item, started)
-                await response.write(sse(payload))
-                item = None if isinstance(item, GenerateResult) else await anext(items, None)
+            async with contextlib.aclosing(self._merged(gens, firsts)) as merged:
+                async for i, item in merged:
+                    if isinstance(item, Chunk):
+                        payload = texts[i].chunk(item.token_ids)
+                        meta = metas[i].chunk(
+                            getattr(item, "meta_info", None), item.offset + len(item.token_ids)
+                        )
+                    else:
+                        payload = texts[i].done(item)
+                        meta = metas[i].done(item.meta_info)
+                        meta["e2e_latency"] = time.monotonic() - started
+                    if ones[i].return_text_in_logprobs:
+                        meta = with_logprob_text(meta, self.tokenizer)
+                    payload["meta_info"] = meta
+                    if batch:
+                        payload["index"] = i
+                    await response.write(sse(payload))
         except ApiError as exc:  # the status line is sent: report in the stream
             await response.write(sse({"error": {"message": exc.message, "code": exc.code}}))
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
 
-    @staticmethod
-    def _meta(rid: str, result: GenerateResult, started: float) -> dict[str, Any]:
-        # The scheduler's meta_info, with SGLang's id, and the latency the client sees.
-        return {**result.meta_info, "id": rid, "e2e_latency": time.monotonic() - started}
+    # -- OpenAI ---------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body: oai.CompletionIn = oai.parse_openai(oai.CompletionIn, await read_json(request))
+        try:
+            prompts = body.prompts()
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc), param="prompt") from None
+        top = body.logprobs
+        ones = oai.generate_ones(
+            body,
+            prompts,
+            max_new_tokens=[body.max_tokens] * len(prompts),
+            top_logprobs=top,
+            prompt_logprobs=body.echo,
+        )
+        echoes = None
+        if body.echo:  # each choice's prompt, as text
+            texts = [
+                p["text"] if "text" in p else self.tokenizer.decode(p["input_ids"]) for p in prompts
+            ]
+            echoes = [text for text in texts for _ in range(body.n)]
+        return await self._openai(request, body, ones, chat=False, echoes=echoes)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body: oai.ChatIn = oai.parse_openai(oai.ChatIn, await read_json(request))
+        from model_svc.chat_template import ChatTemplateError
+
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
+            raise ApiError(
+                400,
+                "no_chat_template",
+                f"the model {self.served_model_name} has no chat template (tokenizer_config."
+                "json: chat_template); use /v1/completions",
+            )
+        try:
+            rendered = template.render(body.messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise ApiError(400, "invalid_request", str(exc), param="messages") from None
+        input_ids = self.tokenizer.encode(rendered, add_bos=False)
+        max_new = body.max_completion_tokens or body.max_tokens
+        if max_new is None:  # SGLang's: what the context has left
+            max_new = max(1, await self._context_len() - len(input_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        ones = oai.generate_ones(
+            body, [{"input_ids": input_ids}], max_new_tokens=[max_new], top_logprobs=top
+        )
+        return await self._openai(request, body, ones, chat=True)
+
+    async def _context_len(self) -> int:
+        if self._max_context_len is None:
+            self._max_context_len = int((await self._info())["max_context_len"])
+        return self._max_context_len
+
+    async def _openai(
+        self,
+        request: web.Request,
+        body: Any,
+        ones: list[GenerateOne],
+        *,
+        chat: bool,
+        echoes: list[str] | None = None,
+    ) -> web.StreamResponse:
+        rids = self._rids(ones)
+        gens = [
+            self._events(one, rid, stream=body.stream) for one, rid in zip(ones, rids, strict=True)
+        ]
+        request_id = oai.new_id("chatcmpl-" if chat else "cmpl-")
+        text = oai.TokenText(self.tokenizer)
+        async with contextlib.AsyncExitStack() as closing:
+            for gen in gens:
+                closing.push_async_callback(gen.aclose)  # type: ignore[attr-defined]
+            if body.stream:
+                return await self._openai_stream(
+                    request, body, ones, gens, request_id, chat=chat, echoes=echoes
+                )
+            results = await self._results(gens)
+            choices = []
+            for index, result in enumerate(results):
+                reason, matched = oai.finish(result.meta_info)
+                choice: dict[str, Any] = {"index": index}
+                logprobs = None
+                meta = result.meta_info
+                if ones[index].return_logprob:
+                    if chat:
+                        logprobs = oai.chat_logprobs(
+                            meta.get("output_token_logprobs"), meta.get("output_top_logprobs"), text
+                        )
+                    else:
+                        lps, tops = _completion_lists(meta, echo=echoes is not None)
+                        logprobs = oai.completion_logprobs(lps, tops, text)
+                if chat:
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": result.text,
+                        "reasoning_content": None,
+                    }
+                else:
+                    choice["text"] = (echoes[index] if echoes else "") + (result.text or "")
+                choice.update(logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+                choices.append(choice)
+            usage = oai.usage([r.meta_info for r in results], body.n)
+            if chat:
+                answer = oai.chat_object(request_id, body.model, choices, usage, chunk=False)
+            else:
+                answer = oai.completion_object(request_id, body.model, choices, usage)
+            return web.json_response(answer)
+
+    async def _openai_stream(
+        self,
+        request: web.Request,
+        body: Any,
+        ones: Sequence[GenerateOne],
+        gens: Sequence[AsyncIterator[Item]],
+        request_id: str,
+        *,
+        chat: bool,
+        echoes: list[str] | None = None,
+    ) -> web.StreamResponse:
+        firsts = await self._firsts(gens)
+        response = await self._open_stream(request)
+        texts = [_stream_text(self.tokenizer, one, incremental=True) for one in ones]
+        token_text = oai.TokenText(self.tokenizer)
+        sent_logprobs = [0] * len(gens)
+        echoing = [echoes is not None] * len(gens)  # the prompt is still to send
+        finals: dict[int, dict[str, Any]] = {}
+
+        def obj(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict:
+            if chat:
+                return oai.chat_object(request_id, body.model, choices, usage, chunk=True)
+            return oai.completion_object(request_id, body.model, choices, usage)
+
+        try:
+            if chat:  # the role first, as SGLang (and OpenAI) do
+                await response.write(
+                    sse(
+                        obj(
+                            [
+                                {
+                                    "index": i,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                                for i in range(len(gens))
+                            ]
+                        )
+                    )
+                )
+            async with contextlib.aclosing(self._merged(gens, firsts)) as merged:
+                async for i, item in merged:
+                    if isinstance(item, Chunk):
+                        delta = texts[i].chunk(item.token_ids)["text"]
+                        meta = getattr(item, "meta_info", None) or {}
+                        reason = matched = None
+                    else:
+                        delta = texts[i].done(item)["text"]
+                        meta = item.meta_info
+                        finals[i] = meta
+                        reason, matched = oai.finish(meta)
+                    logprobs = None
+                    if echoing[i]:
+                        delta = echoes[i] + delta  # type: ignore[index]
+                    if ones[i].return_logprob:
+                        lps = meta.get("output_token_logprobs") or []
+                        tops = meta.get("output_top_logprobs") or []
+                        if isinstance(item, GenerateResult):  # the whole list: send the rest
+                            lps, tops = lps[sent_logprobs[i] :], tops[sent_logprobs[i] :]
+                        sent_logprobs[i] += len(lps)
+                        if echoing[i]:  # the prompt's first (in the first chunk's meta_info)
+                            inputs = list(meta.get("input_token_logprobs") or [])
+                            lps = [*inputs, *lps]
+                            tops = [*_tops(meta, "input", len(inputs)), *tops]
+                        if chat:
+                            logprobs = oai.chat_logprobs(lps, tops, token_text)
+                        else:
+                            logprobs = oai.completion_logprobs(lps, tops, token_text)
+                    echoing[i] = False
+                    if not delta and reason is None and not (logprobs and _has_tokens(logprobs)):
+                        continue
+                    choice: dict[str, Any] = {"index": i}
+                    if chat:
+                        choice["delta"] = {"content": delta}
+                    else:
+                        choice["text"] = delta
+                    choice.update(logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+                    await response.write(sse(obj([choice])))
+            if body.include_usage:
+                metas = [finals[i] for i in range(len(gens))]
+                await response.write(sse(obj([], oai.usage(metas, body.n))))
+        except ApiError as exc:  # the status line is sent: report in the stream
+            await response.write(sse({"error": openai_error_body(exc.status, exc.message)}))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        card = oai.model_card(self.served_model_name, await self._context_len_or_none())
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model != self.served_model_name:
+            raise ApiError(404, "model_not_found", f"The model '{model}' does not exist", "model")
+        return web.json_response(
+            oai.model_card(self.served_model_name, await self._context_len_or_none())
+        )
+
+    async def _context_len_or_none(self) -> int | None:
+        try:
+            return await self._context_len()
+        except ApiError:
+            return None
 
     def _abort_later(self, rid: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort_quietly(rid))
@@ -283,6 +661,48 @@ class HttpFront:
         await self._info()
         return web.json_response({"status": "ok"})
 
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """SGLang's: generate one token; 200 once the scheduler answers, else 503."""
+        one = GenerateOne(input_ids=[0], sampling_params={"max_new_tokens": 1}, log_metrics=False)
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
+        gen = self._events(one, rid, stream=False)
+
+        async def generated() -> None:
+            async for item in gen:
+                if isinstance(item, GenerateResult):
+                    return
+            raise ApiError(503, "unhealthy", "the scheduler ended without a result")
+
+        try:
+            async with contextlib.aclosing(gen):  # type: ignore[type-var]
+                await asyncio.wait_for(generated(), HEALTH_CHECK_TIMEOUT_S)
+        except (ApiError, TimeoutError) as exc:
+            message = getattr(exc, "message", None) or "no answer from the scheduler"
+            raise ApiError(503, "unhealthy", f"health check failed: {message}") from None
+        return web.json_response({"status": "ok"})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/model_info`` keys."""
+        config = _model_config(self.backend.checkpoint)
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "load_format": "auto",
+                "reasoning_parser": None,
+                "tool_call_parser": None,
+                "disaggregation_mode": "null" if self.mode == "normal" else self.mode,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": config.get("model_type"),
+                "architectures": config.get("architectures"),
+            }
+        )
+
     async def server_info(self, request: web.Request) -> web.Response:
         info = await self._info()
         info.setdefault("mode", self.mode)
@@ -290,11 +710,34 @@ class HttpFront:
             {
                 **info,
                 "max_total_num_tokens": info.get("capacity"),  # SGLang's name for it
+                "model_path": self.model_path,
+                "served_model_name": self.served_model_name,
                 "scheduler_address": self.backend.scheduler,
                 "incremental_streaming_output": self.incremental_streaming,
+                "internal_states": [
+                    {
+                        k: info[k]
+                        for k in ("new_token_ratio", "num_running", "num_waiting")
+                        if k in info
+                    }
+                ],
                 "version": _version(),
             }
         )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's: the radix cache emptied if nothing runs or waits (200), else 400."""
+        assert self._control is not None
+        flush = getattr(self._control, "flush_cache", None)
+        if flush is None:
+            raise ApiError(501, "not_implemented", "this scheduler cannot flush its cache")
+        try:
+            ok, message = await flush()
+        except PeerDeadError as exc:
+            raise ApiError(503, "scheduler_unavailable", str(exc)) from None
+        if ok:
+            return web.Response(text=FLUSHED)
+        return web.Response(text=message or "Flush cache failed.\n", status=400)
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body: AbortIn = await parse_body(request, AbortIn)
@@ -351,3 +794,51 @@ def _version() -> str:
         return version("kvstack")
     except PackageNotFoundError:
         return "unknown"
+
+
+def _stream_text(tokenizer: Any, one: GenerateOne, *, incremental: bool) -> StreamText:
+    sampling = one.sampling_params
+    return StreamText(
+        tokenizer,
+        incremental=incremental,
+        stop=list(getattr(sampling, "stop", None) or []),
+        skip_special_tokens=getattr(sampling, "skip_special_tokens", True),
+    )
+
+
+def _stream_parameters() -> set[str]:
+    return set(inspect.signature(AsyncGenerateClient.stream).parameters)
+
+
+def _tops(meta: dict[str, Any], side: str, count: int) -> list[Any]:
+    """``{side}_top_logprobs`` of ``meta``, or ``count`` Nones without it."""
+    tops = meta.get(f"{side}_top_logprobs")
+    return list(tops) if isinstance(tops, list) else [None] * count
+
+
+def _completion_lists(meta: dict[str, Any], *, echo: bool) -> tuple[list[Any], list[Any]]:
+    """The token and top logprobs a completion shows: the output's, after the prompt's
+    with ``echo``."""
+    outputs = list(meta.get("output_token_logprobs") or [])
+    output_tops = _tops(meta, "output", len(outputs))
+    if not echo:
+        return outputs, output_tops
+    inputs = list(meta.get("input_token_logprobs") or [])
+    return inputs + outputs, _tops(meta, "input", len(inputs)) + output_tops
+
+
+def _has_tokens(logprobs: dict[str, Any]) -> bool:
+    return bool(logprobs.get("tokens") or logprobs.get("content"))
+
+
+def _model_config(checkpoint: Path | None) -> dict[str, Any]:
+    """The checkpoint's config.json (model_type, architectures), or {} without one."""
+    import json
+
+    if checkpoint is None:
+        return {}
+    try:
+        data = json.loads((checkpoint / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -39,7 +39,6 @@ import logging
 import signal
 import sys
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,16 @@ from kvstack.stack.model_args import (
     add_model_arguments,
     resolve_model_path,
     stack_model,
+)
+from kvstack.stack.service_flags import (
+    MEMSVC,
+    ROUTER,
+    SCHEDULER,
+    add_model_flags,
+    add_service_flags,
+    served_model_name,
+    service_argv,
+    transfer_options,
 )
 from memsvc.cli import LOG_FORMAT, write_ready_file
 from memsvc.core.errors import InvalidArgumentError
@@ -88,7 +97,9 @@ def _start_pd(launcher: Any, args: argparse.Namespace) -> Backend:
         [*_pool(args, model), "--metrics-port", "0"],
         [*_scheduler(args, model), "--metrics-port", "0"],
         model=model.model_args,
+        router=service_argv(args, ROUTER),
         log_level=args.log_level,
+        **transfer_options(args),
     )
     metrics = {
         name: f"http://127.0.0.1:{up[name].metrics_port}/metrics"
@@ -131,29 +142,19 @@ def _stack_model(args: argparse.Namespace) -> StackModel:
 
 def _pool(args: argparse.Namespace, model: StackModel) -> list[str]:
     """memsvc's flags: the model's pool, then the options the user set."""
-    pool = [*model.memsvc_args, *_flags(args, ["max_running_requests"])]
-    if args.disable_radix_cache:
-        pool.append("--disable-radix-cache")
-    return pool
+    return [*model.memsvc_args, *service_argv(args, MEMSVC)]
 
 
 def _scheduler(args: argparse.Namespace, model: StackModel) -> list[str]:
     """scheduler_svc's flags; it tokenizes ``text`` with the checkpoint's tokenizer, as the
     front decodes."""
-    scheduler = _flags(
-        args, ["schedule_conservativeness", "max_prefill_tokens", "chunked_prefill_size"]
-    )
-    return [*scheduler, "--checkpoint", str(model.checkpoint)]
-
-
-def _flags(args: argparse.Namespace, names: Iterable[str]) -> list[str]:
-    """``--name value`` for each option the user set (the services keep their own defaults)."""
-    out: list[str] = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
+    return [
+        *service_argv(args, SCHEDULER),
+        "--checkpoint",
+        str(model.checkpoint),
+        "--served-model-name",
+        served_model_name(args),
+    ]
 
 
 def _fronted(args: argparse.Namespace) -> Backend:
@@ -253,7 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="[NAME=]URL",
         help="with --scheduler: a service's /metrics to include in ours (repeatable)",
     )
-    stack.add_argument(
+    security = parser.add_argument_group("security")
+    security.add_argument(
         "--curve-dir",
         default=None,
         metavar="DIR",
@@ -261,25 +263,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "started serves and connects with them (created in DIR if it holds none); with "
         "--scheduler, the front connects with DIR's client keys",
     )
-    add_model_arguments(parser, default_model=TINY)
-
-    pool = parser.add_argument_group("pool and scheduling (default: the services' own)")
-    for flag, kind, help_text in [
-        ("--max-running-requests", int, "requests holding KV at once"),
-        (
-            "--max-context-len",
-            int,
-            "longest request (prompt + output) in tokens (default: the checkpoint's "
-            "max_position_embeddings)",
-        ),
-        ("--max-prefill-tokens", int, "most tokens one prefill batch computes"),
-        ("--chunked-prefill-size", int, "split long prompts into chunks of this many tokens"),
-        ("--schedule-conservativeness", float, "scales the initial new_token_ratio"),
-    ]:
-        pool.add_argument(flag, type=kind, default=None, help=help_text)
-    pool.add_argument(
-        "--disable-radix-cache", action="store_true", help="no prefix reuse between requests"
-    )
+    model = add_model_arguments(parser, default_model=TINY)
+    add_model_flags(model)
+    add_service_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -316,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
                 incremental_streaming=args.incremental_streaming_output,
                 request_timeout_s=args.request_timeout,
                 control_timeout_s=args.control_timeout,
+                served_model_name=served_model_name(args),
             )
             try:
                 asyncio.run(serve(front, args, signals))

@@ -198,6 +198,7 @@ class Launcher:
         transfer_backend: str = "auto",
         transfer_timeout: float = 5.0,
         model: Sequence[str] = (),
+        router: Sequence[str] = (),
         suffix: str = "",
         log_level: str | None = None,
     ) -> dict[str, Service]:
@@ -206,7 +207,7 @@ class Launcher:
         ``pool`` / ``scheduler`` apply to both nodes; ``decode_pool`` /
         ``decode_scheduler`` add to (and win over) them on the decode node.
         Each memsvc's layout comes from the checkpoint; the two workers split
-        the usable cores (``model`` may set ``--threads``).
+        the usable cores (``model`` may set ``--threads``). ``router``: extra router flags.
         """
         logging = ["--log-level", log_level] if log_level else []
         transfer = [
@@ -264,6 +265,7 @@ class Launcher:
             up["scheduler-p"].address,
             "--decode",
             up["scheduler-d"].address,
+            *router,
             *logging,
             name=f"router{suffix}",
         )

@@ -66,7 +66,8 @@ def add_model_path_argument(parser: Any, *, default_model: str) -> None:
     )
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str) -> Any:
+    """The model and KV-pool flags, in one argparse group (returned, for more of its kind)."""
     group = parser.add_argument_group("model and KV pool (SGLang's flag names)")
     add_model_path_argument(group, default_model=default_model)
     group.add_argument(
@@ -105,6 +106,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str) 
         help="GPU only: the pool takes this fraction of the device memory left after the "
         f"weights (if no capacity flag is set: {DEFAULT_MEM_FRACTION_STATIC})",
     )
+    return group
 
 
 def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) -> Path:

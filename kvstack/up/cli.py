@@ -23,6 +23,16 @@ from kvstack.stack.model_args import (
     add_model_arguments,
     stack_model,
 )
+from kvstack.stack.service_flags import (
+    MEMSVC,
+    ROUTER,
+    SCHEDULER,
+    add_model_flags,
+    add_service_flags,
+    served_model_name,
+    service_argv,
+    transfer_options,
+)
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT
@@ -75,8 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where sockets, logs and state.json go (default: a fresh folder under "
         "$XDG_RUNTIME_DIR or /tmp)",
     )
-    add_model_arguments(parser, default_model=TINY)
-    parser.add_argument(
+    model = add_model_arguments(parser, default_model=TINY)
+    add_model_flags(model)
+    security = parser.add_argument_group("security")
+    security.add_argument(
         "--curve-dir",
         default=None,
         metavar="DIR",
@@ -84,31 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in DIR: created there (zmq.auth certificates, private) if DIR holds none "
         "(README: Security)",
     )
-    pool = parser.add_argument_group("memsvc pool")
-    pool.add_argument(
-        "--max-running-requests", type=int, default=None, help="requests holding KV at once"
-    )
-    pool.add_argument(
-        "--max-context-len",
-        type=int,
-        default=None,
-        help="longest request (prompt + output) in tokens (default: the checkpoint's "
-        "max_position_embeddings)",
-    )
-    pd = parser.add_argument_group("PD mode")
-    pd.add_argument(
-        "--transfer-backend",
-        choices=["auto", "nixl", "zmq"],
-        default="auto",
-        help="how the memsvc pair moves KV pages (memsvc --transfer-backend)",
-    )
-    pd.add_argument(
-        "--transfer-timeout",
-        type=float,
-        default=None,
-        help="seconds without a word from the peer memsvc before its transfers fail "
-        "(None: memsvc's own default)",
-    )
+    add_service_flags(parser)
     extra = parser.add_argument_group(
         "more flags for one service (repeat for each; PD: memsvc and scheduler flags go to both "
         "nodes)"
@@ -157,18 +145,15 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         curve = KeyFolder.ensure(args.curve_dir) if args.curve_dir else None
     except InvalidArgumentError as exc:
         raise StackUnavailableError(str(exc)) from None
-    pool = list(model.memsvc_args)
-    if args.max_running_requests is not None:
-        pool += ["--max-running-requests", str(args.max_running_requests)]
+    scheduler = [*service_argv(args, SCHEDULER), "--served-model-name", served_model_name(args)]
     return StackOptions(
         checkpoint=str(model.checkpoint),
-        memsvc_args=[*pool, *args.memsvc_arg],
+        memsvc_args=[*model.memsvc_args, *service_argv(args, MEMSVC), *args.memsvc_arg],
         model_args=[*model.model_args, *args.model_arg],
-        scheduler_args=list(args.scheduler_arg),
-        router_args=list(args.router_arg),
-        transfer_backend=args.transfer_backend,
-        transfer_timeout=args.transfer_timeout,
+        scheduler_args=[*scheduler, *args.scheduler_arg],
+        router_args=[*service_argv(args, ROUTER), *args.router_arg],
         curve=curve,
+        **transfer_options(args),
     )
 
 

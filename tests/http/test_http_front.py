@@ -285,6 +285,8 @@ BAD_REQUESTS = [
     ("not an object", b"[1, 2, 3]", 400, "invalid_request"),
     ("no input", {"sampling_params": GREEDY}, 400, "invalid_request"),
     ("both inputs", {"text": "a", "input_ids": [1]}, 400, "invalid_request"),
+    # found by tests/fuzz: a batch of texts beside a shorter list of ids was a 500
+    ("batch and ids", {"text": ["a", "b"], "input_ids": [1]}, 400, "invalid_request"),
     ("empty ids", {"input_ids": []}, 400, "invalid_request"),
     ("ids of strings", {"input_ids": ["1"]}, 400, "invalid_request"),
     (
@@ -308,11 +310,16 @@ BAD_REQUESTS = [
     ("unknown field", {"text": "a", "evil": 1}, 400, "invalid_request"),
     (
         "unknown sampling param",
-        {"text": "a", "sampling_params": {"stop": ["x"]}},
+        {"text": "a", "sampling_params": {"stop_words": ["x"]}},
         400,
         "invalid_request",
     ),
-    ("logprobs", {"text": "a", "return_logprob": True}, 400, "invalid_request"),
+    (
+        "sglang field kvstack does not honour",
+        {"text": "a", "sampling_params": {"logit_bias": {"1": 2.0}}},
+        400,
+        "unsupported_field",
+    ),
     ("id out of the vocabulary", {"input_ids": [1, 99999]}, 400, "bad_request"),
     ("can never fit", {"input_ids": [1] * (CAPACITY + 88)}, 400, "too_large"),
 ]

@@ -1,0 +1,412 @@
+"""OpenAI's completions and chat completions, as SGLang's OpenAI server speaks them.
+
+Plain functions and pydantic models, no I/O: a request body becomes the
+:class:`kvstack.serve.api.GenerateOne` requests to send (one per prompt and
+sample, in SGLang's order: prompt by prompt, each prompt's ``n`` samples
+together), and the scheduler's results become OpenAI's response objects and
+stream chunks. The sampling fields map to SGLang's ``sampling_params`` as
+SGLang maps them (``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` ->
+``min_new_tokens``, ``seed`` -> ``sampling_seed``...), so that one rule
+(:mod:`.sglang_fields`) decides what is honoured and what is refused. The
+fields of SGLang's request models that kvstack does not honour are accepted
+at their defaults and refused (400 naming them) otherwise; unknown fields are
+refused too.
+
+``model`` is accepted whatever it names, as SGLang accepts it, and echoed in
+the answer; ``GET /v1/models`` names the served model.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvstack.serve.api import MAX_TOP_LOGPROBS, ApiError, GenerateOne, parallel_samples
+from kvstack.serve.sglang_fields import MAX_N, Unsupported, check_default_only
+from scheduler_svc.protocol import MAX_PROMPT_TOKENS, Int64
+
+DEFAULT_MODEL_NAME = "default"  # SGLang's, for a request that names no model
+
+# Fields of SGLang's CompletionRequest / ChatCompletionRequest that kvstack does not
+# honour, with their defaults (accepted at those only).
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "logit_bias": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_cached_tokens_details": False,
+    "return_spec_tokens_details": False,
+    "return_token_ids": False,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "stop_regex": None,
+    "lora_path": None,
+    "session_id": None,
+    "session_params": None,
+    "response_format": None,
+    "custom_params": None,
+    "custom_logit_processor": None,
+    "watermark": None,
+    "images_config": None,
+    "mm_processor_kwargs": None,
+    "data_parallel_rank": None,
+    "routed_dp_rank": None,
+    "disagg_prefill_dp_rank": None,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "extra_key": None,
+    "cache_salt": None,
+    "custom_labels": None,
+}
+COMPLETION_DEFAULTS: dict[str, Any] = {
+    **_COMMON_DEFAULTS,
+    "best_of": 1,
+    "suffix": None,
+}
+CHAT_DEFAULTS: dict[str, Any] = {
+    **_COMMON_DEFAULTS,
+    "tools": None,
+    "tool_choice": "auto",
+    "continue_final_message": False,
+    "chat_template_kwargs": None,
+    "reasoning_effort": None,
+    "thinking": None,
+    "task": None,
+    "return_prompt_token_ids": False,
+    "return_meta_info": False,
+    "return_input_ids_in_sglext": False,
+    "return_output_ids_in_sglext": False,
+    "return_sampling_mask": False,
+    "sampling_logprobs_mode": None,
+    "return_flat_raw_output_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": True,
+    "max_dynamic_patch": None,
+    "min_dynamic_patch": None,
+    "use_audio_in_video": False,
+    "video_config": None,
+}
+# Accepted whatever their value: they change nothing kvstack does.
+_IGNORED = ("user", "parallel_tool_calls", "separate_reasoning", "stream_reasoning")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamOptions:
+        if self.continuous_usage_stats:
+            raise Unsupported("stream_options.continuous_usage_stats", True, False)
+        return self
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = DEFAULT_MODEL_NAME
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # SGLang's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    stop_token_ids: list[Int64] | None = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    priority: Int64 | None = None
+
+    sglang_defaults: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if k not in _IGNORED}
+        return check_default_only(data, cls.sglang_defaults)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang's ``sampling_params`` for this request (as SGLang's server maps them)."""
+        out: dict[str, Any] = {}
+        if max_new_tokens is not None:
+            out["max_new_tokens"] = max_new_tokens
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+            "stop",
+            "stop_token_ids",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.seed is not None:
+            out["sampling_seed"] = self.seed
+        if self.min_tokens:
+            out["min_new_tokens"] = self.min_tokens
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        if self.no_stop_trim:
+            out["no_stop_trim"] = True
+        if not self.skip_special_tokens:
+            out["skip_special_tokens"] = False
+        return out
+
+
+class CompletionIn(_Request):
+    """The body of ``POST /v1/completions``."""
+
+    sglang_defaults: ClassVar[dict[str, Any]] = COMPLETION_DEFAULTS
+
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    max_tokens: int = Field(default=16, ge=1, le=1 << 20)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # the prompt before the completion (with logprobs: the prompt's logprobs too)
+    echo: bool = False
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt as ``{"text": ...}`` or ``{"input_ids": ...}``."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [{"text": prompt}]
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        if all(isinstance(p, str) for p in prompt):
+            return [{"text": p} for p in prompt]  # type: ignore[misc]
+        if all(isinstance(p, int) for p in prompt):
+            return [{"input_ids": list(prompt)}]
+        return [{"input_ids": list(p)} for p in prompt]  # type: ignore[arg-type]
+
+
+class ChatIn(_Request):
+    """The body of ``POST /v1/chat/completions``."""
+
+    sglang_defaults: ClassVar[dict[str, Any]] = CHAT_DEFAULTS
+
+    messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatIn:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+def parse_openai(model: type[_Request], data: Any) -> Any:
+    """A validated request; :class:`ApiError` 400 naming the field otherwise."""
+    try:
+        return model.model_validate(data)
+    except Unsupported as exc:
+        raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+        parts = []
+        for err in errors:
+            where = ".".join(str(p) for p in err["loc"])
+            parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+        raise ApiError(400, "invalid_request", "; ".join(parts), param=param or None) from None
+
+
+def generate_ones(
+    request: _Request,
+    prompts: Sequence[dict[str, Any]],
+    *,
+    max_new_tokens: Sequence[int | None],
+    top_logprobs: int | None,
+    prompt_logprobs: bool = False,
+) -> list[GenerateOne]:
+    """The requests to send: each prompt ``n`` times; ``top_logprobs`` None: no logprobs;
+    ``prompt_logprobs``: the prompt's too (``echo``)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        body: dict[str, Any] = {**prompt, "sampling_params": request.sampling(max_new_tokens[i])}
+        if request.rid is not None:
+            body["rid"] = request.rid if len(prompts) == 1 else f"{request.rid}_{i}"
+        if request.priority is not None:
+            body["priority"] = request.priority
+        if top_logprobs is not None:
+            body.update(return_logprob=True, top_logprobs_num=top_logprobs)
+            if prompt_logprobs:
+                body["logprob_start_len"] = 0
+        try:
+            one = GenerateOne.model_validate(body)
+        except Unsupported as exc:
+            field = exc.field.removeprefix("sampling_params.")
+            message = str(exc).replace("sampling_params.", "")
+            raise ApiError(400, "unsupported_field", message, param=field) from None
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            loc = [str(p) for p in err["loc"] if p != "sampling_params"]
+            param = ".".join(loc) or None
+            message = f"{param}: {err['msg']}" if param else err["msg"]
+            raise ApiError(400, "invalid_request", message, param=param) from None
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from None
+        out += parallel_samples(one, request.n)
+    return out
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def finish(meta_info: dict[str, Any]) -> tuple[str | None, Any]:
+    """OpenAI's ``finish_reason`` and SGLang's ``matched_stop`` from the scheduler's."""
+    reason = meta_info.get("finish_reason")
+    if not isinstance(reason, dict):
+        return None, None
+    return reason.get("type"), reason.get("matched")
+
+
+def usage(results: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
+    """OpenAI's usage of ``results`` (meta_infos); each prompt counted once, not ``n``
+    times, as SGLang counts it."""
+    prompt = sum(int(m.get("prompt_tokens", 0)) for m in results[::n])
+    completion = sum(int(m.get("completion_tokens", 0)) for m in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+class TokenText:
+    """Each token's own text, for logprobs (special tokens shown)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special=False)
+
+
+def completion_logprobs(
+    token_logprobs: Sequence[Any] | None,
+    top_logprobs: Sequence[Any] | None,
+    text: TokenText,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI's completions ``logprobs`` from SGLang's ``[logprob, id, _]`` lists;
+    ``offset``: where in the text the first token starts."""
+    out: dict[str, Any] = {
+        "text_offset": [],
+        "token_logprobs": [],
+        "tokens": [],
+        "top_logprobs": [],
+    }
+    tops = list(top_logprobs or [])
+    for i, (logprob, token_id, *_) in enumerate(token_logprobs or []):
+        token = text(token_id)
+        out["text_offset"].append(offset)
+        offset += len(token)
+        out["token_logprobs"].append(logprob)
+        out["tokens"].append(token)
+        top = tops[i] if i < len(tops) else None
+        if top is None:
+            out["top_logprobs"].append(None)
+        else:
+            out["top_logprobs"].append({text(t[1]): t[0] for t in top})
+    return out
+
+
+def chat_logprobs(
+    token_logprobs: Sequence[Any] | None, top_logprobs: Sequence[Any] | None, text: TokenText
+) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` (``{"content": [...]}``) from SGLang's lists."""
+
+    def entry(logprob: float, token_id: int) -> dict[str, Any]:
+        token = text(token_id)
+        return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": logprob}
+
+    tops = list(top_logprobs or [])
+    content = []
+    for i, (logprob, token_id, *_) in enumerate(token_logprobs or []):
+        top = tops[i] if i < len(tops) else None
+        content.append(
+            {**entry(logprob, token_id), "top_logprobs": [entry(t[0], t[1]) for t in top or []]}
+        )
+    return {"content": content}
+
+
+def completion_object(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def chat_object(
+    request_id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: dict[str, Any] | None,
+    *,
+    chunk: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chunk else "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None or not chunk:
+        body["usage"] = usage_
+    return body
+
+
+def model_card(name: str, max_model_len: int | None) -> dict[str, Any]:
+    """SGLang's ``ModelCard``."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang",
+        "root": name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
