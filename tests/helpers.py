@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from memsvc.core import PoolLayout
+import contextlib
+from collections.abc import Iterator
+
+from memsvc.core import KVPool, PoolLayout
+from memsvc.handlers import MemService, ServiceConfig
 
 
 def small_layout(**overrides: int | str) -> PoolLayout:
@@ -17,3 +21,14 @@ def small_layout(**overrides: int | str) -> PoolLayout:
     )
     fields.update(overrides)
     return PoolLayout(**fields)
+
+
+@contextlib.contextmanager
+def pool_service(page_size: int = 4, num_pages: int = 64) -> Iterator[MemService]:
+    """An in-process memsvc over a small pool (host store as large as the pool), closed after."""
+    layout = small_layout(page_size=page_size, num_pages=num_pages)
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    try:
+        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
+    finally:
+        pool.close()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 import pytest
 
 from memsvc.core import KVPool
-from memsvc.handlers import MemService, ServiceConfig
+from memsvc.handlers import MemService
 from scheduler_svc import engine as engine_module
 from scheduler_svc.core import (
     RETRACT_ABORT_MESSAGE,
@@ -20,7 +19,7 @@ from scheduler_svc.core import (
     SchedulerConfig,
 )
 from scheduler_svc.engine import Engine
-from tests.helpers import small_layout
+from tests.helpers import pool_service
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
 
 PAGE = 4
@@ -28,14 +27,8 @@ PAGE = 4
 
 @pytest.fixture
 def service() -> Iterator[MemService]:
-    layout = small_layout(
-        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
-    )
-    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
-    try:
-        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
-    finally:
-        pool.close()
+    with pool_service(PAGE) as svc:
+        yield svc
 
 
 class Harness:
@@ -308,18 +301,6 @@ def test_a_retracted_request_that_fits_only_alone_is_not_starved(service, charge
 
 
 # -- agreement with SGLang 0.5.23 (issue 19) ---------------------------------------------
-
-
-@contextlib.contextmanager
-def pool_service(page_size: int, num_pages: int) -> Iterator[MemService]:
-    layout = small_layout(
-        page_size=page_size, num_pages=num_pages, max_running_requests=16, max_context_len=512
-    )
-    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
-    try:
-        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
-    finally:
-        pool.close()
 
 
 def seed_tree(pool: KVPool, rid: str, tokens: list[int]) -> None:

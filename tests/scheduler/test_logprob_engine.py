@@ -16,12 +16,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from memsvc.core import KVPool
-from memsvc.handlers import MemService, ServiceConfig
+from memsvc.handlers import MemService
 from model_svc.client import ForwardResult
 from scheduler_svc.core import Req, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import Engine
-from tests.helpers import small_layout
+from tests.helpers import pool_service
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
 
 PAGE = 4
@@ -84,14 +83,8 @@ class LogprobModel(FakeModel):
 
 @pytest.fixture
 def service() -> Iterator[MemService]:
-    layout = small_layout(
-        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
-    )
-    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
-    try:
-        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
-    finally:
-        pool.close()
+    with pool_service(PAGE) as svc:
+        yield svc
 
 
 async def start(service: MemService, **config) -> tuple[Engine, dict[str, Req], LogprobModel]:

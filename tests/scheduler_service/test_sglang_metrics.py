@@ -15,12 +15,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from memsvc.core import KVPool
-from memsvc.handlers import MemService, ServiceConfig
+from memsvc.handlers import MemService
 from scheduler_svc import metrics
 from scheduler_svc.core import Req, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import GEN_THROUGHPUT_PASSES, Engine
-from tests.helpers import small_layout
+from tests.helpers import pool_service
 from tests.scheduler.engine_harness import FakeModel, InProcessMem
 
 PAGE = 4
@@ -59,14 +58,8 @@ COUNTERS = [
 
 @pytest.fixture
 def service() -> Iterator[MemService]:
-    layout = small_layout(
-        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
-    )
-    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
-    try:
-        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
-    finally:
-        pool.close()
+    with pool_service(PAGE) as svc:
+        yield svc
 
 
 async def start_engine(service: MemService, **config) -> Engine:
