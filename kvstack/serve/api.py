@@ -31,7 +31,7 @@ from kvstack.serve.sglang_fields import (
     sampling_to_kvstack,
 )
 from scheduler_svc import protocol as _protocol
-from scheduler_svc.client import GenerateResult
+from scheduler_svc.client import Chunk, GenerateResult
 from scheduler_svc.protocol import MAX_PROMPT_TOKENS, GenSampling, Int64
 
 log = logging.getLogger("kvstack.http")
@@ -389,6 +389,20 @@ class StreamText:
             return {"text": self._text, "output_ids": list(ids)}
         new_ids, self._sent_ids = ids[self._sent_ids :], len(ids)
         return {"text": new_text, "output_ids": new_ids}
+
+
+Item = Chunk | GenerateResult  # what a scheduler request yields: chunks, then its result
+
+
+def stream_text(tokenizer: Any, one: Any, *, incremental: bool) -> StreamText:
+    """The :class:`StreamText` of a parsed request (its stop strings, its special tokens)."""
+    sampling = one.sampling_params
+    return StreamText(
+        tokenizer,
+        incremental=incremental,
+        stop=list(getattr(sampling, "stop", None) or []),
+        skip_special_tokens=getattr(sampling, "skip_special_tokens", True),
+    )
 
 
 class _ShowSpecials:
