@@ -113,6 +113,22 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def stop_and_check_clean(front: Front) -> dict[str, int]:
+    """SIGTERM the front; it must exit 0 having stopped every service it started and left
+    none of their shared memory (what is left is killed, then the test fails). Returns
+    the services it had started, by name."""
+    code = stop_front(front, signal.SIGTERM)
+    services = front.info["services"]
+    left = [name for name, pid in services.items() if pid_alive(pid)]
+    for name in left:
+        _kill(services[name])
+    segments = [s for s in list_segments() if segment_owner_pid(s) in services.values()]
+    assert code == 0, front.log()
+    assert not left, f"still running after SIGTERM: {left}"
+    assert not segments, f"shared memory left behind: {segments}"
+    return services
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     workdir = tmp_path_factory.mktemp("serve")
@@ -121,16 +137,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     try:
         yield front
     finally:
-        code = stop_front(front, signal.SIGTERM)
-        services = front.info["services"]
-        left = [name for name, pid in services.items() if pid_alive(pid)]
-        for name in left:
-            _kill(services[name])
-        segments = [s for s in list_segments() if segment_owner_pid(s) in services.values()]
-        assert code == 0, front.log()
+        services = stop_and_check_clean(front)
         assert set(services) == {"memsvc", "model_svc", "scheduler_svc"}
-        assert not left, f"still running after SIGTERM: {left}"
-        assert not segments, f"shared memory left behind: {segments}"
 
 
 def run(coro: Any) -> Any:

@@ -31,12 +31,16 @@ from kvstack.serve.sglang_fields import (
     SAMPLING_DEFAULTS,
     honoured_sampling,
 )
-from kvstack.up.cli import pid_alive
-from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
-from tests.http.test_http_front import Front, _kill, read_events, start_front, stop_front
+from tests.http.test_http_front import (
+    Front,
+    read_events,
+    start_front,
+    stop_and_check_clean,
+    stop_front,
+)
 
 CAPACITY = 1024
 CONTEXT = 512
@@ -66,15 +70,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         assert tokens.get("used", 0) == 0, tokens
         assert tokens["available"] + tokens["evictable"] == CAPACITY, tokens
     finally:
-        code = stop_front(front, signal.SIGTERM)
-        services = front.info["services"]
-        left = [name for name, pid in services.items() if pid_alive(pid)]
-        for name in left:
-            _kill(services[name])
-        segments = [s for s in list_segments() if segment_owner_pid(s) in services.values()]
-        assert code == 0, front.log()
-        assert not left, f"still running after SIGTERM: {left}"
-        assert not segments, f"shared memory left behind: {segments}"
+        stop_and_check_clean(front)
 
 
 def run(coro: Any) -> Any:
