@@ -469,9 +469,11 @@ def test_failed_load_nobody_waited_for_is_never_served(tmp_path):
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file", policy="write_back")
     tokens = seq(101, 2)
     _lose_storage_pages(tmp_path, pool, tokens)
+    slow = SlowCopies(pool)  # the load is still in flight when the match returns
     pool.open_request("a")
     assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 8
     pool.release("a", is_insert=False)
+    slow.gate.set()
     pool.settle_copies()
     assert run_request(pool, "b", tokens).prefix_len == 0  # dropped, recomputed
     pool.check_integrity()
