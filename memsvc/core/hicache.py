@@ -772,50 +772,35 @@ class HiRadixCache(RadixCache):
     # -- integrity -----------------------------------------------------------------
 
     def check(self) -> None:
+        """:meth:`RadixCache.check` over the tiers: device nodes closed under parent,
+        locks only on the device, every node's KV in some tier, and each tier's pages
+        (host arena, storage keys) held by exactly one node and accounted."""
+        self._check_root()
         root, ps = self.root, self.page_size
-        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
-            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
         num_tokens = {True: 0, False: 0}
         host_pages, disk_keys = [], []
-        stack = [root]
-        while stack:
-            parent = stack.pop()
-            for page_key, node in parent.children.items():
-                where, key_len = f"node {node.node_id}", len(node.key)
-                if node.parent is not parent or self._page_key(node.key) != page_key:
-                    raise IntegrityError(f"{where}: wrong parent link or child key")
-                if not key_len or key_len % ps or len(node.value) not in (0, key_len):
-                    raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
-                on_device = bool(node.value.size)
-                if on_device and parent is not root and not parent.value.size:
-                    raise IntegrityError(f"{where}: on the device under an off-device parent")
-                if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
-                    raise IntegrityError(f"{where}: lock_ref {node.lock_ref}, parent's")
-                if node.lock_ref and not on_device:
-                    raise IntegrityError(f"{where}: locked but not on the device")
-                if not on_device and node.host_pages is None and not node.on_disk:
-                    raise IntegrityError(f"{where}: its KV is in no tier")
-                if node.host_pages is not None:
-                    if node.host_pages.size != key_len // ps:
-                        raise IntegrityError(f"{where}: {node.host_pages.size} host pages")
-                    host_pages.append(node.host_pages)
-                if node.hashes is not None and len(node.hashes) != key_len // ps:
-                    raise IntegrityError(f"{where}: {len(node.hashes)} storage keys")
-                if node.on_disk:
-                    disk_keys.extend(self._hashes(node))
-                if on_device:
-                    try:
-                        self._check_page_runs(node.value, where)
-                    except InvalidArgumentError as exc:
-                        raise IntegrityError(str(exc)) from exc
-                    num_tokens[node.lock_ref > 0] += key_len
-                stack.append(node)
-        counters = (self._num_evictable_tokens, self._num_protected_tokens)
-        if counters != (num_tokens[False], num_tokens[True]):
-            raise IntegrityError(
-                f"(evictable, protected) counters say {counters}, the tree holds"
-                f" {(num_tokens[False], num_tokens[True])}"
-            )
+        for node, where in self._checked_nodes():
+            key_len, parent = len(node.key), node.parent
+            if len(node.value) not in (0, key_len):
+                raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
+            on_device = bool(node.value.size)
+            if on_device and parent is not root and not parent.value.size:
+                raise IntegrityError(f"{where}: on the device under an off-device parent")
+            if node.lock_ref and not on_device:
+                raise IntegrityError(f"{where}: locked but not on the device")
+            if not on_device and node.host_pages is None and not node.on_disk:
+                raise IntegrityError(f"{where}: its KV is in no tier")
+            if node.host_pages is not None:
+                if node.host_pages.size != key_len // ps:
+                    raise IntegrityError(f"{where}: {node.host_pages.size} host pages")
+                host_pages.append(node.host_pages)
+            if node.hashes is not None and len(node.hashes) != key_len // ps:
+                raise IntegrityError(f"{where}: {len(node.hashes)} storage keys")
+            if node.on_disk:
+                disk_keys.extend(self._hashes(node))
+            if on_device:
+                self._count_device_node(node, where, num_tokens)
+        self._check_counters(num_tokens)
         held = np.concatenate(host_pages) if host_pages else np.empty(0, np.int64)
         if np.unique(held).size != held.size:
             raise IntegrityError("host tier: a host page is in two nodes")

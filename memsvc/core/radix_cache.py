@@ -258,12 +258,27 @@ class RadixCache:
 
         Which pages are where is the pool's check (it counts ``iter_nodes`` pages).
         """
-        root, ps = self.root, self.page_size
-        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
-            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
-        if self.disabled and root.children:
+        self._check_root()
+        if self.disabled and self.root.children:
             raise IntegrityError("a disabled cache holds nodes")
         num_tokens = {True: 0, False: 0}  # by "is locked"
+        for node, where in self._checked_nodes():
+            if len(node.key) != len(node.value):
+                raise IntegrityError(
+                    f"{where}: key/value lengths {len(node.key)}/{len(node.value)}"
+                )
+            self._count_device_node(node, where, num_tokens)
+        self._check_counters(num_tokens)
+
+    def _check_root(self) -> None:
+        root = self.root
+        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
+            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
+
+    def _checked_nodes(self) -> Iterator[tuple[TreeNode, str]]:
+        """Every node below the root, parents first, with its name for messages, once its
+        links, its whole-page key and its lock count (never above its parent's) are checked."""
+        root, ps = self.root, self.page_size
         stack = [root]
         while stack:
             parent = stack.pop()
@@ -271,18 +286,24 @@ class RadixCache:
                 where, key_len = f"node {node.node_id}", len(node.key)
                 if node.parent is not parent or self._page_key(node.key) != page_key:
                     raise IntegrityError(f"{where}: wrong parent link or child key")
-                if not key_len or key_len != len(node.value) or key_len % ps:
-                    raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
+                if not key_len or key_len % ps:
+                    raise IntegrityError(f"{where}: key length {key_len}")
                 if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
                     raise IntegrityError(
                         f"{where}: lock_ref {node.lock_ref}, parent's {parent.lock_ref}"
                     )
-                try:
-                    self._check_page_runs(node.value, where)
-                except InvalidArgumentError as exc:
-                    raise IntegrityError(str(exc)) from exc
-                num_tokens[node.lock_ref > 0] += key_len
+                yield node, where
                 stack.append(node)
+
+    def _count_device_node(self, node: TreeNode, where: str, num_tokens: dict) -> None:
+        """Check a node's device slots are whole page runs, and count them as locked or not."""
+        try:
+            self._check_page_runs(node.value, where)
+        except InvalidArgumentError as exc:
+            raise IntegrityError(str(exc)) from exc
+        num_tokens[node.lock_ref > 0] += len(node.key)
+
+    def _check_counters(self, num_tokens: dict) -> None:
         counters = (self._num_evictable_tokens, self._num_protected_tokens)
         if counters != (num_tokens[False], num_tokens[True]):
             raise IntegrityError(
