@@ -11,7 +11,6 @@ check must pass.
 
 from __future__ import annotations
 
-import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from kvstack.stack.launch import Launcher
 from kvstack.stack.model_pool import pool_layout_args
 from memsvc import protocol as wire
 from memsvc.client import MemClient
-from memsvc.core.errors import MemsvcError
 from model_svc.client import ForwardError, ModelClient
 from tests.fuzz.mutate import EDGE_INTS, garbage, mutate
 from tests.fuzz.runner import ZmqChannel
+from tests.fuzz.targets import free_and_close, memsvc_check_failed
 
 POOL_SIZE = ["--page-size", "4", "--num-pages", "128", "--max-running-requests", "8"]
 POOL_SIZE += ["--max-context-len", "512"]
@@ -150,16 +149,9 @@ class ModelTarget:
             found.append("the legitimate request's KV bytes changed during the batch")
         if self._legit_state() != self.before:
             found.append("the legitimate request's extend gave another token or KV")
-        try:
-            self.legit.check()
-        except MemsvcError as exc:
-            found.append(f"memsvc check failed: {exc}")
-        return found
+        return found + memsvc_check_failed(self.legit)
 
     def close(self) -> None:
         self.buffers.close()
         self.worker.close()
-        for client, rid in ((self.fuzzer, "fuzz"), (self.legit, "legit")):
-            with contextlib.suppress(MemsvcError):
-                client.free_row(rid)
-            client.close()
+        free_and_close([(self.fuzzer, "fuzz"), (self.legit, "legit")])

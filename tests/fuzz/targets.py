@@ -67,11 +67,7 @@ class MemsvcTarget:
         self.messages.forget_session()
 
     def problems(self) -> list[str]:
-        found = []
-        try:
-            self.legit.check()
-        except MemsvcError as exc:
-            found.append(f"memsvc check failed: {exc}")
+        found = memsvc_check_failed(self.legit)
         if self._state() != self.before:
             found.append("the legitimate request's slots or KV bytes changed")
         return found
@@ -82,6 +78,23 @@ class MemsvcTarget:
             self.legit.free_row(LEGIT_RID)
             self.legit.check(idle=True)
         self.legit.close()
+
+
+def memsvc_check_failed(client: MemClient) -> list[str]:
+    """memsvc's integrity check through ``client``, as a problem list (empty: it passed)."""
+    try:
+        client.check()
+    except MemsvcError as exc:
+        return [f"memsvc check failed: {exc}"]
+    return []
+
+
+def free_and_close(rows: list[tuple[MemClient, str]]) -> None:
+    """Free each client's row (if memsvc still has it) and close the client."""
+    for client, rid in rows:
+        with contextlib.suppress(MemsvcError):
+            client.free_row(rid)
+        client.close()
 
 
 def _last_generate_reply(header: dict[str, Any]) -> bool:

@@ -24,6 +24,7 @@ from memsvc.client import MemClient
 from memsvc.core.errors import MemsvcError
 from memsvc.movers import pack_frames
 from tests.fuzz.mutate import EDGE_INTS, garbage, hostile_value, mutate_frames
+from tests.fuzz.targets import free_and_close, memsvc_check_failed
 from tests.procs import SMALL_POOL
 
 KINDS = ("hello", "query", "data", "done", "abort", "nope")
@@ -175,15 +176,8 @@ class TransferTarget:
         found = []
         if self.buffers.kv[self.pages].tobytes() != self.before:
             found.append("the legitimate request's KV bytes changed")
-        try:
-            self.legit.check()
-        except MemsvcError as exc:
-            found.append(f"memsvc check failed: {exc}")
-        return found
+        return found + memsvc_check_failed(self.legit)
 
     def close(self) -> None:
         self.buffers.close()
-        for client, rid in ((self.fuzzer, "fz"), (self.legit, "legit")):
-            with contextlib.suppress(MemsvcError):
-                client.free_row(rid)
-            client.close()
+        free_and_close([(self.fuzzer, "fz"), (self.legit, "legit")])
