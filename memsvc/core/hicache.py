@@ -25,10 +25,12 @@ own LRU: evicting a host copy demotes it to storage when a storage tier is
 configured, else drops the node (leaves only). Storage has its own LRU too.
 
 A match that runs into host / storage nodes loads them into fresh device pages
-(evicting device LRU leaves, never the matched path) before it returns; what
-does not fit is not loaded. Every copy (device <-> host, host -> storage,
-storage -> device, storage deletes) runs as one job on the buffers' copy
-thread (:meth:`KVBuffers.submit`), in issue order, so:
+(evicting device LRU leaves, never the matched path) before it returns, all or
+nothing as SGLang's ``load_back``: an off-device part under
+:data:`LOAD_BACK_THRESHOLD` tokens, or one the device cannot take whole, is not
+loaded, and the match stops at the device prefix. Every copy (device <-> host,
+host -> storage, storage -> device, storage deletes) runs as one job on the
+buffers' copy thread (:meth:`KVBuffers.submit`), in issue order, so:
 
 - a load is fenced: the node keeps the job's fence (``load_fence``) and the
   pool makes the request's next ``alloc_extend`` wait for it; pages it writes
@@ -67,6 +69,9 @@ from memsvc.core.storage import StorageBackend, create_storage
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang's: hits before a node is backed up
+# SGLang's HiRadixCache.load_back_threshold (hard-coded there, no flag): an off-device
+# part of a match shorter than this many tokens is recomputed, not loaded.
+LOAD_BACK_THRESHOLD = 10
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
 
@@ -354,7 +359,8 @@ class HiRadixCache(RadixCache):
         return MatchResult(slots, device[-1] if device else self.root)
 
     def match_and_load(self, token_ids: object) -> HiMatch:
-        """Longest prefix in any tier; host / storage parts loaded into fresh device pages.
+        """Longest prefix in any tier; its host / storage part loaded into fresh device
+        pages, whole or not at all (:meth:`_load_back`).
 
         The caller locks ``last_node`` before anything else can evict; the
         pages are readable once ``fence`` is done.
@@ -367,37 +373,9 @@ class HiRadixCache(RadixCache):
         device_tokens = sum(len(n.key) for n in path[:num_device])
         self._count_hits(path[:num_device], protect={id(n) for n in path})
         last_device = path[num_device - 1] if num_device else self.root
-        tail = path[num_device:]
-        loaded: list[TreeNode] = []
-        host_tokens = storage_tokens = 0
-        if tail:
-            self.lock(last_device)  # the matched device path is never evicted for the load
-            try:
-                need = sum(len(n.key) for n in tail) // self.page_size
-                shortfall = need - self.allocator.num_free_pages
-                if shortfall > 0:
-                    self._evict_device(shortfall * self.page_size, protect=set(map(id, tail)))
-                budget = self.allocator.num_free_pages
-                for node in tail:
-                    num_pages = len(node.key) // self.page_size
-                    if budget <= 0:
-                        break
-                    partial = num_pages > budget
-                    if partial:
-                        node = self._split(node, budget * self.page_size)
-                        num_pages = budget
-                    from_host = node.host_pages is not None
-                    self._load(node)
-                    if from_host:
-                        host_tokens += len(node.key)
-                    else:
-                        storage_tokens += len(node.key)
-                    loaded.append(node)
-                    budget -= num_pages
-                    if partial:
-                        break
-            finally:
-                self.unlock(last_device)
+        loaded = self._load_back(last_device, path[num_device:])
+        host_tokens = sum(len(n.key) for n in loaded if n.host_pages is not None)
+        storage_tokens = sum(len(n.key) for n in loaded) - host_tokens
         matched = path[:num_device] + loaded
         hits = self.stats.hit_tokens
         hits["device"] += device_tokens
@@ -420,6 +398,34 @@ class HiRadixCache(RadixCache):
             storage_tokens,
             loads,
         )
+
+    def _load_back(self, last_device: TreeNode, tail: list[TreeNode]) -> list[TreeNode]:
+        """Load the off-device ``tail`` of a match (below ``last_device``); returns it, or
+        ``[]`` when nothing was loaded.
+
+        SGLang's HiRadixCache.load_back: all or nothing. Under
+        :data:`LOAD_BACK_THRESHOLD` tokens it is not worth a copy; otherwise device
+        LRU leaves off the matched path are evicted for it, and if the device still
+        cannot take all of it, none of it is loaded (the match stops at the device
+        prefix and the request recomputes the rest). Storage nodes count with host
+        ones: SGLang's storage pages reach the device through this same host load.
+        """
+        tail_len = sum(len(n.key) for n in tail)
+        if tail_len < LOAD_BACK_THRESHOLD:
+            return []
+        num_pages = tail_len // self.page_size
+        self.lock(last_device)  # the matched device path is never evicted for the load
+        try:
+            shortfall = num_pages - self.allocator.num_free_pages
+            if shortfall > 0:
+                self._evict_device(shortfall * self.page_size, protect=set(map(id, tail)))
+            if num_pages > self.allocator.num_free_pages:
+                return []
+            for node in tail:
+                self._load(node)
+        finally:
+            self.unlock(last_device)
+        return tail
 
     def _count_hits(self, nodes: Iterable[TreeNode], protect: set[int]) -> None:
         selective = self.write_policy == "write_through_selective"

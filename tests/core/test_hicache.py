@@ -15,7 +15,7 @@ import pytest
 
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.errors import CopyFailedError, InvalidArgumentError
-from memsvc.core.hicache import HiCacheConfig, HiRadixCache
+from memsvc.core.hicache import LOAD_BACK_THRESHOLD, HiCacheConfig, HiRadixCache
 from memsvc.core.radix_cache import RadixCache
 from memsvc.core.storage.file import SUFFIX
 
@@ -136,26 +136,26 @@ def test_evicted_prefix_comes_back_from_host(policy):
 def test_write_through_selective_backs_up_after_the_threshold_hit():
     pool = make_pool(policy="write_through_selective")
     tree = pool.hicache
-    hot, cold = seq(2, 2), seq(3, 2)
+    hot, cold = seq(2, 3), seq(3, 3)
     run_request(pool, "hot0", hot)
     run_request(pool, "cold0", cold)
     assert tree.host_used_tokens() == 0
     run_request(pool, "hot1", hot)  # hit 1
     assert tree.host_used_tokens() == 0
     run_request(pool, "hot2", hot)  # hit 2: SGLang's threshold
-    assert tree.host_used_tokens() == 8
+    assert tree.host_used_tokens() == 12
     pool.evict(pool.evictable_size())
-    assert tree.stats.dropped_tokens == 8  # the cold node had no host copy
-    assert run_request(pool, "hot3", hot).host_tokens == 8
+    assert tree.stats.dropped_tokens == 12  # the cold node had no host copy
+    assert run_request(pool, "hot3", hot).host_tokens == 12
     assert run_request(pool, "cold1", cold).prefix_len == 0
     finish(pool)
 
 
 def test_shared_prefix_and_partial_host_path():
-    pool = make_pool(num_pages=8, host_pages=16)
+    pool = make_pool(num_pages=12, host_pages=16)
     base = seq(4, 2, tail=0)
     a = np.concatenate([base, seq(5, 2)])
-    b = np.concatenate([base, seq(6, 1)])
+    b = np.concatenate([base, seq(6, 3)])
     run_request(pool, "a", a)
     run_request(pool, "b", b)
     pool.evict(4)  # b's own leaf (older) goes first... or a's: whichever, one leaf
@@ -163,28 +163,90 @@ def test_shared_prefix_and_partial_host_path():
     m = run_request(pool, "a2", a)
     assert m.prefix_len == 16 and m.host_tokens == 16
     m = run_request(pool, "b2", b)  # the shared base is on the device now
-    assert (m.device_tokens, m.host_tokens) == (8, 4)
+    assert (m.device_tokens, m.host_tokens) == (8, 12)
     finish(pool)
 
 
-def test_load_fits_only_what_the_device_can_take():
-    pool = make_pool(num_pages=4, host_pages=16)
-    tokens = seq(7, 3)
+def num_nodes(pool: KVPool) -> int:
+    return sum(1 for _ in pool.hicache.iter_nodes())
+
+
+def test_a_host_hit_under_the_load_back_threshold_is_recomputed():
+    """SGLang's load_back_threshold (10, hard-coded in HiRadixCache): an 8-token host hit is
+    not loaded; the match stops at the device prefix and the request recomputes it."""
+    assert LOAD_BACK_THRESHOLD == 10
+    pool = make_pool()
+    tree = pool.hicache
+    base = seq(120, 2)
+    run_request(pool, "a", base)
+    pool.evict(pool.evictable_size())
+    assert tree.tier_tokens() == {"device": 0, "host_only": 8, "storage_only": 0}
+    m = run_request(pool, "b", base)  # recomputed, and inserted again over its host copy
+    assert (m.prefix_len, m.host_tokens) == (0, 0)
+    assert tree.stats.load_tokens == 0 and tree.stats.hit_tokens["host"] == 0
+    # 8 device tokens, then an 8-token host tail: the tail is recomputed
+    longer = np.concatenate([base[:8], seq(121, 2)])
+    run_request(pool, "c", longer)
+    assert pool.evict(1) == 8  # c's own leaf, the only device leaf
+    m = run_request(pool, "d", longer)
+    assert (m.prefix_len, m.device_tokens, m.host_tokens) == (8, 8, 0)
+    assert tree.stats.load_tokens == 0
+    # 12 tokens (>= 10) are loaded
+    pool.evict(pool.evictable_size())
+    m = run_request(pool, "e", np.concatenate([longer[:12], [7]]))
+    assert (m.prefix_len, m.host_tokens) == (12, 12)
+    finish(pool)
+
+
+def test_a_host_hit_the_device_cannot_take_whole_is_not_loaded():
+    """SGLang loads a host hit all or nothing: a 16-token hit with 4 free device tokens and
+    nothing evictable loads nothing (no node split, no page taken), and the whole of it
+    once the device has room."""
+    pool = make_pool(num_pages=8, host_pages=16)
+    tree = pool.hicache
+    tokens = seq(7, 4)
     run_request(pool, "a", tokens)
     pool.evict(pool.evictable_size())
-    # another request holds 2 of the 4 pages: only 2 of the 3 host pages can load
     pool.open_request("hold")
-    assert pool.alloc_extend([("hold", 2 * PAGE)]) is not None
+    assert pool.alloc_extend([("hold", 7 * PAGE)]) is not None
+    assert (pool.available_size(), pool.evictable_size()) == (PAGE, 0)
+    nodes = num_nodes(pool)
     pool.open_request("b")
     match = pool.match_prefix_tiers("b", tokens[:-1])
-    assert (match.prefix_len, match.host_tokens) == (8, 8)
-    pool.wait_loaded("b")
-    kv = pool.buffers.read_slots(pool.slots("b"))
-    np.testing.assert_array_equal(kv, kv_of(tokens[:8], 0, kv_shape(pool)))
+    assert (match.prefix_len, match.host_tokens, match.load_pending) == (0, 0, False)
+    assert pool.available_size() == PAGE and num_nodes(pool) == nodes
+    assert tree.tier_tokens()["host_only"] == 16 and tree.stats.load_tokens == 0
     pool.check_integrity()
     pool.release("b", is_insert=False)
     pool.release("hold", is_insert=False)
-    assert pool.hicache.tier_tokens()["host_only"] == 4  # the page not loaded stays in host
+    m = run_request(pool, "c", tokens)
+    assert (m.prefix_len, m.host_tokens) == (16, 16)
+    finish(pool)
+
+
+def test_a_storage_hit_follows_the_same_rules(tmp_path):
+    """Storage-tier hits load the same way (SGLang's storage pages reach the device through
+    its host load-back): under 10 tokens, or more than the device can take, nothing loads."""
+    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
+    tree = pool.hicache
+    short, long = seq(122, 2), seq(123, 4)
+    for rid, tokens in (("s", short), ("l", long)):
+        run_request(pool, rid, tokens)
+    pool.evict(pool.evictable_size())
+    tree.evict_host(tree.host.num_pages)
+    assert tree.tier_tokens() == {"device": 0, "host_only": 0, "storage_only": 24}
+    assert run_request(pool, "s2", short).prefix_len == 0
+    pool.evict(pool.evictable_size())
+    tree.evict_host(tree.host.num_pages)
+    pool.open_request("hold")
+    assert pool.alloc_extend([("hold", 7 * PAGE)]) is not None
+    pool.open_request("l2")
+    assert pool.match_prefix_tiers("l2", long[:-1]).prefix_len == 0
+    assert tree.tier_tokens()["storage_only"] == 24 and tree.stats.load_tokens == 0
+    pool.release("l2", is_insert=False)
+    pool.release("hold", is_insert=False)
+    m = run_request(pool, "l3", long)
+    assert (m.prefix_len, m.storage_tokens) == (16, 16)
     finish(pool)
 
 
@@ -203,28 +265,28 @@ def test_host_lru_drops_leaves_without_storage():
 def test_storage_tier_demotes_and_reads_back(tmp_path):
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file", storage_pages=16)
     tree = pool.hicache
-    a, b, c = seq(10, 2), seq(11, 2), seq(12, 2)
+    a, b, c = seq(10, 3), seq(11, 3), seq(12, 3)
     for rid, tokens in (("a", a), ("b", b), ("c", c)):
         run_request(pool, rid, tokens)
     pool.evict(pool.evictable_size())  # device -> host; host LRU -> storage
     pool.settle_copies()
     files = [n for n in os.listdir(tmp_path / "store") if n.endswith(SUFFIX)]
-    assert len(files) == tree.storage_used_bytes() // pool.layout.bytes_per_page >= 2
+    assert len(files) == tree.storage_used_bytes() // pool.layout.bytes_per_page >= 3
     m = run_request(pool, "a2", a)
-    assert (m.prefix_len, m.storage_tokens) == (8, 8)
-    assert tree.stats.hit_tokens["storage"] == 8
+    assert (m.prefix_len, m.storage_tokens) == (12, 12)
+    assert tree.stats.hit_tokens["storage"] == 12
     finish(pool)
 
 
 def test_storage_cap_evicts_lru(tmp_path):
-    pool = make_pool(tmp_path, num_pages=8, host_pages=2, storage="file", storage_pages=4)
-    seqs = [seq(20 + i, 2) for i in range(5)]
+    pool = make_pool(tmp_path, num_pages=8, host_pages=3, storage="file", storage_pages=6)
+    seqs = [seq(20 + i, 3) for i in range(5)]
     for i, tokens in enumerate(seqs):
         run_request(pool, f"r{i}", tokens)
         pool.evict(pool.evictable_size())
     tree = pool.hicache
-    assert tree.storage_used_bytes() <= 4 * pool.layout.bytes_per_page
-    assert run_request(pool, "last", seqs[-1]).prefix_len == 8  # newest kept
+    assert tree.storage_used_bytes() <= 6 * pool.layout.bytes_per_page
+    assert run_request(pool, "last", seqs[-1]).prefix_len == 12  # newest kept
     assert run_request(pool, "first", seqs[0]).prefix_len == 0  # oldest dropped
     finish(pool)
 
@@ -260,14 +322,14 @@ def test_storage_dir_unusable_is_a_clear_error(tmp_path):
 
 def test_nixl_posix_storage_round_trip(tmp_path):
     pytest.importorskip("nixl_cu12")
-    pool = make_pool(tmp_path, num_pages=8, host_pages=2, storage="nixl")
+    pool = make_pool(tmp_path, num_pages=8, host_pages=3, storage="nixl")
     assert pool.hicache.storage.name == "nixl"
-    a, b = seq(40, 2), seq(41, 2)
+    a, b = seq(40, 3), seq(41, 3)
     run_request(pool, "a", a)
     run_request(pool, "b", b)
     pool.evict(pool.evictable_size())
-    pool.hicache.evict_host(2)
-    assert run_request(pool, "a2", a).storage_tokens == 8
+    pool.hicache.evict_host(3)
+    assert run_request(pool, "a2", a).storage_tokens == 12
     finish(pool)
 
 
@@ -345,19 +407,19 @@ def test_load_racing_eviction_and_host_reuse_loses_nothing():
 def test_write_back_racing_a_free():
     """write_back: eviction copies device -> host and frees the pages at once; they
     are handed out again only after the copy read them."""
-    pool = make_pool(num_pages=3, host_pages=6, policy="write_back")
-    a = seq(70, 2)
+    pool = make_pool(num_pages=4, host_pages=6, policy="write_back")
+    a = seq(70, 3)
     run_request(pool, "a", a)
     slow = SlowCopies(pool)
     pool.open_request("b")
-    assert pool.match_prefix_tiers("b", seq(71, 3)[:-1]).prefix_len == 0
+    assert pool.match_prefix_tiers("b", seq(71, 4)[:-1]).prefix_len == 0
     threading.Timer(0.2, slow.gate.set).start()
-    slots = pool.alloc_extend([("b", 12)])  # evicts a (write-back), waits, reuses its pages
+    slots = pool.alloc_extend([("b", 16)])  # evicts a (write-back), waits, reuses its pages
     assert slots is not None
-    pool.buffers.write_slots(slots, np.zeros((12, *kv_shape(pool)), np.float32))
+    pool.buffers.write_slots(slots, np.zeros((16, *kv_shape(pool)), np.float32))
     pool.release("b", is_insert=False)
     m = run_request(pool, "a2", a)
-    assert m.host_tokens == 8  # the host copy holds a's KV (checked), not b's zeros
+    assert m.host_tokens == 12  # the host copy holds a's KV (checked), not b's zeros
     finish(pool)
 
 
@@ -409,7 +471,7 @@ def test_insert_over_host_nodes_adopts_the_callers_pages():
     """A request that recomputed a host-only prefix (no room to load) puts it back on the
     device: the tree takes its pages, the host copy stays, nothing is doubled."""
     pool = make_pool(num_pages=4, host_pages=8)
-    tokens = seq(90, 2)
+    tokens = seq(90, 3)
     run_request(pool, "a", tokens)
     pool.evict(pool.evictable_size())
     pool.open_request("hold")
@@ -421,8 +483,8 @@ def test_insert_over_host_nodes_adopts_the_callers_pages():
     pool.buffers.write_slots(slots, kv_of(tokens, 0, kv_shape(pool)))
     pool.release("b", tokens)
     tree: HiRadixCache = pool.hicache
-    assert tree.tier_tokens() == {"device": 8, "host_only": 0, "storage_only": 0}
-    assert tree.host_used_tokens() == 8
+    assert tree.tier_tokens() == {"device": 12, "host_only": 0, "storage_only": 0}
+    assert tree.host_used_tokens() == 12
     pool.check_integrity()
     finish(pool)
 
@@ -440,13 +502,13 @@ def _lose_storage_pages(tmp_path, pool: KVPool, tokens: np.ndarray) -> None:
 
 def test_failed_storage_load_drops_the_prefix_and_resets_its_holders(tmp_path):
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
-    tokens = seq(100, 2)
+    tokens = seq(100, 3)
     _lose_storage_pages(tmp_path, pool, tokens)
     slow = SlowCopies(pool)
     pool.open_request("a")
     pool.open_request("b")
-    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 8
-    assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 8  # shares a's load
+    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
+    assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 12  # shares a's load
     slow.gate.set()
     with pytest.raises(CopyFailedError, match="match it again"):
         pool.alloc_extend([("a", 1)])
@@ -459,7 +521,7 @@ def test_failed_storage_load_drops_the_prefix_and_resets_its_holders(tmp_path):
     slots = pool.alloc_extend([("a", len(tokens))])  # recomputed from scratch
     pool.buffers.write_slots(slots, kv_of(tokens, 0, kv_shape(pool)))
     pool.release("a", tokens)
-    assert run_request(pool, "again", tokens).device_tokens == 8
+    assert run_request(pool, "again", tokens).device_tokens == 12
     finish(pool)
 
 
@@ -467,11 +529,11 @@ def test_failed_load_nobody_waited_for_is_never_served(tmp_path):
     """The loading request leaves before its alloc_extend; the next match (or an eviction)
     finds the failed load and drops the node instead of serving or backing up its pages."""
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file", policy="write_back")
-    tokens = seq(101, 2)
+    tokens = seq(101, 3)
     _lose_storage_pages(tmp_path, pool, tokens)
     slow = SlowCopies(pool)  # the load is still in flight when the match returns
     pool.open_request("a")
-    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 8
+    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
     pool.release("a", is_insert=False)
     slow.gate.set()
     pool.settle_copies()
@@ -514,7 +576,7 @@ def test_private_host_entries_work_beside_the_hierarchy():
         async_offload=True,
         hicache=HiCacheConfig(size_bytes=8 * lay.bytes_per_page),
     )
-    shared = seq(110, 2, tail=0)
+    shared = seq(110, 3, tail=0)
     run_request(pool, "warm", np.concatenate([shared, [1]]))  # in the tree, write-through
     tokens = np.concatenate([shared, seq(111, 1)])
     run_request(pool, "r", tokens, release=False)
@@ -526,7 +588,7 @@ def test_private_host_entries_work_beside_the_hierarchy():
     slots = pool.load("r")
     np.testing.assert_array_equal(pool.buffers.read_slots(slots), before)
     pool.release("r", is_insert=False)
-    assert run_request(pool, "other", np.concatenate([shared, [2]])).host_tokens == 8
+    assert run_request(pool, "other", np.concatenate([shared, [2]])).host_tokens == 12
     finish(pool)
 
 

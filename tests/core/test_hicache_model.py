@@ -8,7 +8,10 @@ from the host tier, retract running requests into the tree, expire the
 write policy, with and without a storage tier, while the copy thread really
 runs the copies concurrently. After every step: the pool's integrity check
 (pages in exactly one place per tier, bytes accounted); a matched prefix must
-be a prefix of a sequence inserted before; at the end, the idle check.
+be a prefix of a sequence inserted before; a match's host / storage part is
+loaded whole or not at all, never when under SGLang's load-back threshold, and
+always when it is long enough and fits the free device pages; at the end, the
+idle check.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from memsvc.core import KVPool
-from memsvc.core.hicache import HiCacheConfig
+from memsvc.core.hicache import LOAD_BACK_THRESHOLD, HiCacheConfig, HiRadixCache
 from tests.core.test_hicache import PAGE, kv_of, kv_shape, layout
 
 pages_st = st.lists(st.integers(0, 2), min_size=1, max_size=4)
@@ -33,6 +36,30 @@ def tokens_of(pages: list[int], tail: int) -> np.ndarray:
     return np.concatenate([*out, np.arange(tail) + 100]).astype(np.int64)
 
 
+def cached_lens(tree: HiRadixCache, tokens: np.ndarray) -> tuple[int, int]:
+    """(on the device, in any tier): the cached prefix of ``tokens``, read without
+    touching the tree (no access stamps, no split)."""
+    node, matched, device = tree.root, 0, 0
+    while matched < len(tokens):
+        rest = tokens[matched:]
+        child = next(
+            (c for c in node.children.values() if np.array_equal(c.key[:PAGE], rest[:PAGE])),
+            None,
+        )
+        if child is None:
+            break
+        n = min(len(child.key), len(rest))
+        common = int(np.argmin(np.append(child.key[:n] == rest[:n], False)))
+        common -= common % PAGE
+        if child.value.size and device == matched:
+            device += common
+        matched += common
+        if common < len(child.key):
+            break
+        node = child
+    return device, matched
+
+
 class TieredTree(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -40,12 +67,13 @@ class TieredTree(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="hicache-model-")
         self.running: dict[str, np.ndarray] = {}  # rid -> tokens whose KV is written
         self.inserted: set[tuple[int, ...]] = set()  # page-aligned prefixes ever inserted
+        self.whole: set[tuple[int, ...]] = set()  # ... the longest of each insert
         self.n = 0
 
     @initialize(
         policy=st.sampled_from(["write_through", "write_back", "write_through_selective"]),
         storage=st.sampled_from([True, True, False]),
-        host_pages=st.integers(1, 6),
+        host_pages=st.integers(1, 12),
     )
     def setup(self, policy: str, storage: bool, host_pages: int) -> None:
         lay = layout(10)
@@ -64,16 +92,47 @@ class TieredTree(RuleBasedStateMachine):
         aligned = len(tokens) - len(tokens) % PAGE
         for end in range(PAGE, aligned + 1, PAGE):
             self.inserted.add(tuple(tokens[:end].tolist()))
+        if aligned:
+            self.whole.add(tuple(tokens[:aligned].tolist()))
 
     @rule(pages=pages_st, tail=st.integers(1, 3), keep=st.booleans())
     def start(self, pages: list[int], tail: int, keep: bool) -> None:
+        self._start(tokens_of(pages, tail), keep)
+
+    @precondition(lambda self: self.whole)
+    @rule(data=st.data(), keep=st.booleans(), evict=st.booleans(), squeeze=st.booleans())
+    def start_again(self, data: st.DataObject, keep: bool, evict: bool, squeeze: bool) -> None:
+        """A request over a sequence inserted before, maybe after evicting the device (so
+        that long host / storage prefixes are hit), maybe while another request holds all
+        free device pages but one (so that they may not fit)."""
         pool = self.pool
-        tokens = tokens_of(pages, tail)
+        prefix = data.draw(st.sampled_from(sorted(self.whole)))
+        if evict:
+            pool.evict(pool.evictable_size())
+        squeeze = squeeze and pool.available_size() > PAGE
+        if squeeze:
+            pool.open_request("squeeze")
+            assert pool.alloc_extend([("squeeze", pool.available_size() - PAGE)]) is not None
+        self._start(np.array([*prefix, 100], dtype=np.int64), keep)
+        if squeeze:
+            pool.release("squeeze", is_insert=False)
+
+    def _start(self, tokens: np.ndarray, keep: bool) -> None:
+        pool = self.pool
         self.n += 1
         rid = f"r{self.n}"
         pool.open_request(rid)
+        device_len, cached_len = cached_lens(pool.hicache, tokens[:-1])
+        free_tokens = pool.available_size()
         match = pool.match_prefix_tiers(rid, tokens[:-1])
         assert match.prefix_len == match.device_tokens + match.host_tokens + match.storage_tokens
+        assert match.device_tokens == device_len
+        tail_len, loaded = cached_len - device_len, match.host_tokens + match.storage_tokens
+        assert loaded in (0, tail_len)  # all or nothing
+        if tail_len < LOAD_BACK_THRESHOLD:
+            assert loaded == 0
+        elif tail_len <= free_tokens:
+            assert loaded == tail_len
         if match.prefix_len:
             assert tuple(tokens[: match.prefix_len].tolist()) in self.inserted
         slots = pool.alloc_extend([(rid, len(tokens) - match.prefix_len)])

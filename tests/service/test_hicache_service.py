@@ -225,7 +225,7 @@ def test_memsvc_process_with_host_and_disk_tiers(memsvc_factory, tmp_path) -> No
             mem.free_row(f"again{i}")
         assert tiers["host"] > 0 and tiers["storage"] > 0
         # a normal-mode retract victim into the tree, through the client
-        keep, victim = np.arange(5000, 5009), np.arange(6000, 6009)
+        keep, victim = np.arange(5000, 5013), np.arange(6000, 6013)
         rows = []
         for rid, tokens in (("keep", keep), ("victim", victim)):
             rows.append(mem.alloc_row(rid))
@@ -238,9 +238,9 @@ def test_memsvc_process_with_host_and_disk_tiers(memsvc_factory, tmp_path) -> No
         mem.flush_cache(device_only=True)
         row = mem.alloc_row("victim-again")
         match = mem.match_prefix_tiers("victim-again", np.concatenate([victim, [7]]))
-        assert match.prefix_len == 8 and match.device_hit == 0
+        assert match.prefix_len == 12 and match.device_hit == 0
         assert mem.alloc_extend([("victim-again", 2)]).fits
-        np.testing.assert_array_equal(read_kv(pool, row, 8), victim[:8] * 1000 + np.arange(8))
+        np.testing.assert_array_equal(read_kv(pool, row, 12), victim[:12] * 1000 + np.arange(12))
         mem.free_row("victim-again")
         text = (
             urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=10)
