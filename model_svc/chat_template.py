@@ -1,8 +1,10 @@
 """A checkpoint's chat template: a list of messages -> the prompt text the model was tuned on.
 
-The template is the Jinja source in ``tokenizer_config.json`` (``chat_template``,
-a string, or a list of ``{"name", "template"}`` of which ``default`` is used),
-rendered as Hugging Face renders it: a sandbox (a template cannot reach Python
+The template is the Jinja source in the checkpoint's ``chat_template.jinja``
+(where transformers 5's ``save_pretrained`` writes it; it wins over the
+config's, as transformers reads it), else in ``tokenizer_config.json``
+(``chat_template``, a string, or a list of ``{"name", "template"}`` of which
+``default`` is used), rendered as Hugging Face renders it: a sandbox (a template cannot reach Python
 objects), ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
 extension, and the helpers templates call (``raise_exception``,
 ``strftime_now``, a ``tojson`` filter that keeps non-ASCII text). The
@@ -16,11 +18,13 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from model_svc.errors import CheckpointError
 
 ROLES = ("system", "user", "assistant", "tool")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class ChatTemplateError(ValueError):
@@ -40,6 +44,20 @@ def template_source(tokenizer_config: Mapping[str, Any]) -> str | None:
         "tokenizer_config.json: chat_template is neither a string nor a list holding a "
         "'default' template"
     )
+
+
+def checkpoint_template_source(
+    checkpoint: str | Path, tokenizer_config: Mapping[str, Any]
+) -> str | None:
+    """The checkpoint's chat template: its ``chat_template.jinja`` if it has one, else
+    :func:`template_source` of its ``tokenizer_config``; None if it has neither."""
+    path = Path(checkpoint) / CHAT_TEMPLATE_FILE
+    if not path.exists():
+        return template_source(tokenizer_config)
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable as UTF-8 text ({exc})") from None
 
 
 class ChatTemplate:

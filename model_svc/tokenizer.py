@@ -4,7 +4,8 @@ Byte level: UTF-8 bytes are ids 0..255, then bos 256, eos 257, pad 258 (the
 tiny checkpoint's vocabulary). A ``tokenizer.json`` comes with the
 ``tokenizer_config.json`` beside it: whether encoding adds bos
 (``add_bos_token``; without it, what the tokenizer's own post-processor does,
-as in Hugging Face) and the chat template (:mod:`model_svc.chat_template`).
+as in Hugging Face) and the chat template (``chat_template.jinja`` if the
+folder has one, else the config's: :mod:`model_svc.chat_template`).
 
 Decoding tolerates token sequences that end (or are cut) inside a multi-byte
 character: :class:`StreamDecoder` holds the partial character back until it
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from model_svc.chat_template import ChatTemplate, template_source
+from model_svc.chat_template import ChatTemplate, checkpoint_template_source
 from model_svc.config import ModelConfig
 from model_svc.errors import CheckpointError
 
@@ -99,7 +100,7 @@ class HFTokenizer:
         self.pad_id = config.pad_token_id
         settings = _tokenizer_config(path.with_name(TOKENIZER_CONFIG_FILE))
         self.add_bos = self._adds_bos(settings)
-        source = template_source(settings)
+        source = checkpoint_template_source(path.parent, settings)
         self.chat_template = None if source is None else ChatTemplate(source, self._specials())
 
     def _adds_bos(self, settings: dict[str, Any]) -> bool:

@@ -63,8 +63,9 @@ class OpenAIRoutes:
             raise ApiError(
                 400,
                 "no_chat_template",
-                f"the model {self.served_model_name} has no chat template (tokenizer_config."
-                "json: chat_template); use /v1/completions",
+                f"the model {self.served_model_name} has no chat template (no "
+                "chat_template.jinja, no chat_template in tokenizer_config.json); use "
+                "/v1/completions",
             )
         try:
             rendered = template.render(body.messages, add_generation_prompt=True)

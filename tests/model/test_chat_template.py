@@ -157,3 +157,33 @@ def test_the_byte_tokenizer_keeps_adding_bos() -> None:
     tokenizer = ByteTokenizer()
     assert tokenizer.add_bos and tokenizer.encode("a") == [256, 97]
     assert tokenizer.chat_template is None
+
+
+def test_a_chat_template_jinja_file_is_the_template_as_in_transformers(tmp_path: Path) -> None:
+    """transformers 5's ``save_pretrained`` writes the template to chat_template.jinja, not
+    into tokenizer_config.json; when both are there, the file wins (as transformers reads it)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = _checkpoint(tmp_path, None, bos_post_processor=False)
+    saved = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHATML,
+    )
+    saved.save_pretrained(folder)
+    assert (folder / "chat_template.jinja").read_text() == CHATML
+    assert "chat_template" not in json.loads((folder / "tokenizer_config.json").read_text())
+    messages = [{"role": "user", "content": "w1 w2"}]
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    tokenizer = load_tokenizer(folder, tiny_config())
+    assert tokenizer.chat_template is not None, "chat_template.jinja was not read"
+    assert tokenizer.chat_template.render(messages) == want
+
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ 'from the config' }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert AutoTokenizer.from_pretrained(folder).chat_template == CHATML
+    assert load_tokenizer(folder, tiny_config()).chat_template.source == CHATML
