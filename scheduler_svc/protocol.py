@@ -43,6 +43,8 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+# SGLang's answer (400) to a prompt with no tokens: nothing to prefill, nothing to sample from
+EMPTY_PROMPT = "Prompt cannot be empty"
 # What a message to the scheduler (or the router) may hold: the largest generate is
 # MAX_PROMPT_TOKENS int64 ids (8 MiB) or as text (4 MiB of UTF-8), a header, and a
 # routing identity. A frame past 4 x 16 MiB drops its sender unread.

@@ -341,6 +341,8 @@ class SchedulerService:
     def _refusal(self, input_ids: list[int], msg: Any) -> tuple[str, str, int] | None:
         """SGLang's intake checks: (code, message, status) of the first that fails."""
         num = len(input_ids)
+        if num == 0:  # a text that tokenizes to nothing: nothing to prefill
+            return "bad_request", p.EMPTY_PROMPT, 400
         bad = next((t for t in input_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             message = f"Token ID {bad} is out of vocabulary (vocab size: {self.vocab_size})"

@@ -32,7 +32,7 @@ from kvstack.serve.sglang_fields import (
 )
 from scheduler_svc import protocol as _protocol
 from scheduler_svc.client import Chunk, GenerateResult
-from scheduler_svc.protocol import MAX_PROMPT_TOKENS, GenSampling, Int64
+from scheduler_svc.protocol import EMPTY_PROMPT, MAX_PROMPT_TOKENS, GenSampling, Int64
 
 log = logging.getLogger("kvstack.http")
 
@@ -69,7 +69,7 @@ class GenerateOne(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
-    input_ids: list[Int64] | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_TOKENS)
+    input_ids: list[Int64] | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=256)
@@ -94,6 +94,13 @@ class GenerateOne(BaseModel):
     def _check(self) -> GenerateOne:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
+        return self
+
+    def check_prompt(self) -> GenerateOne:
+        """Itself, or SGLang's 400 for a prompt with nothing to prefill (no text, no ids:
+        the scheduler refuses one that tokenizes to nothing, for a bos would not count)."""
+        if not (self.text or self.input_ids):
+            raise ApiError(400, "invalid_request", EMPTY_PROMPT)
         return self
 
     def logprob_kwargs(self) -> dict[str, Any]:
@@ -175,7 +182,7 @@ def parse_generate(data: Any) -> GenerateBatch:
             raise ApiError(400, "invalid_request", _validation_message(exc, where)) from None
         except ValueError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from None
-        items += parallel_samples(one, n)
+        items += parallel_samples(one.check_prompt(), n)
     batch = size is not None or len(items) > 1
     return GenerateBatch(items, batch, bool(fields.get("stream", False)))
 

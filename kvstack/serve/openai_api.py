@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvstack.serve.api import MAX_TOP_LOGPROBS, ApiError, GenerateOne, parallel_samples
 from kvstack.serve.sglang_fields import MAX_N, Unsupported, check_default_only
-from scheduler_svc.protocol import MAX_PROMPT_TOKENS, Int64
+from scheduler_svc.protocol import EMPTY_PROMPT, MAX_PROMPT_TOKENS, Int64
 
 DEFAULT_MODEL_NAME = "default"  # SGLang's, for a request that names no model
 
@@ -198,7 +198,7 @@ class CompletionIn(_Request):
         if isinstance(prompt, str):
             return [{"text": prompt}]
         if not prompt:
-            raise ValueError("prompt: must not be empty")
+            raise ValueError(EMPTY_PROMPT)
         if all(isinstance(p, str) for p in prompt):
             return [{"text": p} for p in prompt]  # type: ignore[misc]
         if all(isinstance(p, int) for p in prompt):
@@ -275,7 +275,7 @@ def generate_ones(
             raise ApiError(400, "invalid_request", message, param=param) from None
         except ValueError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from None
-        out += parallel_samples(one, request.n)
+        out += parallel_samples(one.check_prompt(), request.n)
     return out
 
 

@@ -36,8 +36,8 @@ class OpenAIRoutes:
         body: oai.CompletionIn = oai.parse_openai(oai.CompletionIn, await read_json(request))
         try:
             prompts = body.prompts()
-        except ValueError as exc:
-            raise ApiError(400, "invalid_request", str(exc), param="prompt") from None
+        except ValueError as exc:  # SGLang names no param for an empty prompt
+            raise ApiError(400, "invalid_request", str(exc)) from None
         top = body.logprobs
         ones = oai.generate_ones(
             body,

@@ -805,6 +805,43 @@ def test_openai_completion_echo(server: Front) -> None:
     assert logprobs.top_logprobs[0] is None and len(logprobs.top_logprobs[1]) == 1
 
 
+EMPTY_PROMPTS = [
+    ("text", "/generate", {"text": ""}),
+    ("input_ids", "/generate", {"input_ids": []}),
+    ("one of a batch of texts", "/generate", {"text": ["a", ""]}),
+    ("one of a batch of ids", "/generate", {"input_ids": [[1, 2], []]}),
+    ("streamed", "/generate", {"text": "", "stream": True}),
+    ("completion", "/v1/completions", {"prompt": ""}),
+    ("completion list", "/v1/completions", {"prompt": [""]}),
+    ("completion empty list", "/v1/completions", {"prompt": []}),
+    ("completion ids", "/v1/completions", {"prompt": [[]]}),
+    ("completion streamed", "/v1/completions", {"prompt": "", "stream": True}),
+    ("completion echo", "/v1/completions", {"prompt": "", "echo": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [c[1:] for c in EMPTY_PROMPTS], ids=[c[0] for c in EMPTY_PROMPTS]
+)
+def test_an_empty_prompt_is_sglangs_400(server: Front, path: str, body: Any) -> None:
+    """Nothing to prefill: SGLang's 400 "Prompt cannot be empty", in the endpoint's error
+    shape, before anything reaches the scheduler (the tiny model's bos would otherwise make
+    an empty text a one-token prompt)."""
+    status, reply = post(server, path, body)
+    assert status == 400, reply
+    if path.startswith("/v1/"):
+        assert reply == {
+            "object": "error",
+            "message": "Prompt cannot be empty",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    else:
+        assert reply == {"error": {"message": "Prompt cannot be empty", "code": "invalid_request"}}
+    assert get(server, "/health")[0] == 200
+
+
 def test_openai_chat_without_a_template_is_a_clear_400(server: Front) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client(server).chat.completions.create(
