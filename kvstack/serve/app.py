@@ -60,6 +60,10 @@ MAX_BODY_BYTES = 64 << 20  # a prompt of MAX_PROMPT_TOKENS ids, as JSON, fits
 SCRAPE_TIMEOUT_S = 3.0
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+# /model_info's disaggregation_mode, SGLang's values ("null", "prefill", "decode") by --mode.
+# In PD mode the front stands where SGLang's PD router does, and that router answers
+# /get_model_info with its first prefill server's: "prefill".
+DISAGGREGATION_MODE = {"normal": "null", "pd": "prefill"}
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
@@ -478,7 +482,7 @@ class HttpFront(OpenAIRoutes):
                 "load_format": "auto",
                 "reasoning_parser": None,
                 "tool_call_parser": None,
-                "disaggregation_mode": "null" if self.mode == "normal" else self.mode,
+                "disaggregation_mode": DISAGGREGATION_MODE[self.mode],
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
                 "model_type": config.get("model_type"),

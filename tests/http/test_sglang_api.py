@@ -125,6 +125,24 @@ def test_model_info_has_sglangs_keys(server: Front) -> None:
         assert info["is_generation"] is True
         assert info["architectures"] == ["LlamaForCausalLM"] and info["model_type"] == "llama"
         assert info["served_model_name"] == SERVED
+        assert info["disaggregation_mode"] == "null"
+
+
+def test_a_pd_front_reports_what_sglangs_pd_router_does() -> None:
+    """SGLang's PD router relays /get_model_info from its first prefill server, so a client
+    of a PD deployment reads "prefill"; "pd" is not one of SGLang's values."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from kvstack.serve.app import Backend, HttpFront
+
+    async def go() -> dict[str, Any]:
+        front = HttpFront(Backend("ipc:///nonexistent/router.sock"), mode="pd", tokenizer=None)
+        async with TestClient(TestServer(front.app())) as http:
+            response = await http.get("/get_model_info")
+            assert response.status == 200
+            return await response.json()
+
+    assert run(go())["disaggregation_mode"] == "prefill"
 
 
 def test_server_info_under_both_names(server: Front) -> None:
