@@ -122,3 +122,23 @@ def test_a_bad_flag_would_be_caught() -> None:
         check(["memsvc", "--no-such-flag"])
     with pytest.raises(AssertionError):
         check(["make", "no-such-target"])
+
+
+def test_the_readme_names_the_compose_version_the_compose_files_need() -> None:
+    """docker-compose 1.x refuses docker/compose.yaml (its top-level ``name``, ``restart``
+    under ``depends_on``, which Docker Compose 2.17.0 introduced): the README must say so."""
+    compose = yaml.safe_load((REPO / "docker/compose.yaml").read_text())
+    depends = [
+        condition
+        for service in compose["services"].values()
+        for condition in (service.get("depends_on") or {}).values()
+    ]
+    assert "name" in compose and any("restart" in condition for condition in depends)
+    assert re.search(r"Docker Compose v?2\.17\.0 or later", README), "no minimum Compose version"
+
+
+def test_the_readme_does_not_call_the_openai_endpoints_missing() -> None:
+    """They are served (and documented in "HTTP API")."""
+    assert "/v1/chat/completions" in README
+    stale = re.search(r"OpenAI-compatible endpoints[^.]*\bnot\s+there\s+yet", README)
+    assert stale is None, stale.group(0)
