@@ -24,10 +24,15 @@ def small_layout(**overrides: int | str) -> PoolLayout:
 
 
 @contextlib.contextmanager
-def pool_service(page_size: int = 4, num_pages: int = 64) -> Iterator[MemService]:
-    """An in-process memsvc over a small pool (host store as large as the pool), closed after."""
+def pool_service(
+    page_size: int = 4, num_pages: int = 64, host_pools: int = 1
+) -> Iterator[MemService]:
+    """An in-process memsvc over a small pool, closed after.
+
+    Its host store holds ``host_pools`` times the pool.
+    """
     layout = small_layout(page_size=page_size, num_pages=num_pages)
-    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    pool = KVPool(layout, host_store_bytes=host_pools * layout.kv_bytes)
     try:
         yield MemService(pool, ServiceConfig(retract_decode_steps=20))
     finally:

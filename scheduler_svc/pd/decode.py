@@ -62,9 +62,10 @@ class DecodeEngine(Engine):
 
     async def step(self) -> bool:
         await self._apply_commands()
-        did = await self._resume_retracted()
+        resumed = await self._resume_retracted()
+        did = bool(resumed)
         if not self.retracted:
-            did = await self._preallocate() or did
+            did = await self._preallocate(resumed) or did
             did = await self._poll_transfers() or did
         if self.running:
             await self._decode_round()
@@ -75,18 +76,49 @@ class DecodeEngine(Engine):
 
     # -- budget (SGLang's DecodePreallocQueue._allocatable_token_budgets) --------------
 
+    @staticmethod
+    def _fill_len(req: Req) -> int:
+        """The KV ``req`` holds on this node: its prompt and all but its last token."""
+        return len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
+
     def _required(self, req: Req) -> int:
         """Slots to reserve for ``req``: what it holds now plus the per-request reserve."""
-        fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
-        return ceil_page(fill, self.config.page_size) + self.config.num_reserved_decode_tokens
+        return self._held(req) + self.config.num_reserved_decode_tokens
 
-    async def _allocatable(self, *, count_retracted: bool) -> int:
+    def _final_len(self, req: Req) -> int:
+        """The KV ``req`` may grow to, in whole pages: prompt + min(max_new, clip)."""
+        new = min(req.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
+        return ceil_page(len(req.origin_input_ids) + new, self.config.page_size)
+
+    def _held(self, req: Req) -> int:
+        """Slots ``req``'s KV takes here: whole pages for its prompt and all but its last token."""
+        return ceil_page(self._fill_len(req), self.config.page_size)
+
+    def _single_need(self, retractable: list[Req], held: list[Req]) -> int:
+        """SGLang's ``need_space_for_single_req``, extended to KV no retract can free.
+
+        For each running request that may be retracted (``retractable``): what
+        it still needs to reach its final length if every other one were
+        retracted, as SGLang computes it. Beyond SGLang, the same for each
+        request whose KV is held but cannot be retracted (``held``: the
+        transfer queue, and the requests resumed in this step, which SGLang's
+        budget does not see yet): its slots are taken, it needs only its
+        growth. Lengths are counted in the whole pages a request takes, and a
+        running request frees the slots it holds, not one per token it has
+        (its last token has no KV yet): see docs/sglang-differences.md.
+        """
+        freeable = sum(map(self._held, retractable))
+        needs = [self._final_len(r) for r in retractable]
+        needs += [self._final_len(r) - self._held(r) for r in held]
+        return max(needs, default=freeable) - freeable
+
+    async def _allocatable(self, *, count_retracted: bool, need: int = 0) -> int:
         if not self.running:
             await self.mem.heartbeat()  # fresh sizes when no decode step brought them
         sizes = self.mem.sizes
         reserve = self.config.num_reserved_decode_tokens
         n_active = len(self.running) + len(self.transfer)
-        allocatable = sizes.available + sizes.evictable - reserve * n_active
+        allocatable = sizes.available + sizes.evictable - max(reserve * n_active, need)
         if count_retracted:
             allocatable -= sum(self._required(r) for r in self.retracted)
         return allocatable
@@ -100,15 +132,18 @@ class DecodeEngine(Engine):
 
     # -- resume ------------------------------------------------------------------------
 
-    async def _resume_retracted(self) -> bool:
-        if not self.retracted:
-            return False
-        allocatable = await self._allocatable(count_retracted=False)
-        resumed = False
+    async def _resume_retracted(self) -> list[Req]:
+        """Load retracted requests back, FIFO with head-of-line blocking; returns them.
+
+        The budget is re-read from the pool before each one, and those already
+        resumed count among the active requests (SGLang 0.5.23's
+        ``extra_reserved_reqs``).
+        """
+        resumed: list[Req] = []
         while self.retracted:
             req = self.retracted[0]
-            required = self._required(req)
-            if required > allocatable and not self._alone_fits(req, allocatable):
+            allocatable = await self._allocatable(count_retracted=False)
+            if self._required(req) > allocatable and not self._alone_fits(req, allocatable):
                 break  # head-of-line: FIFO
             try:
                 row = await self.mem.alloc_row(req.rid)
@@ -124,34 +159,41 @@ class DecodeEngine(Engine):
             self.stats.loaded_tokens += req.kv_len
             self.running.append(req)
             self._event("resume", req)
-            allocatable -= required
-            resumed = True
+            resumed.append(req)
         return resumed
 
     # -- preallocation and transfer --------------------------------------------------
 
-    async def _preallocate(self) -> bool:
+    async def _preallocate(self, resumed: list[Req]) -> bool:
+        """Give queued requests rows and slots for their KV, head of the line first.
+
+        The gate is SGLang's ``pop_preallocated``: the request's slots plus the
+        reserve, and its own final length beside what retract could free, must
+        fit the budget. The budget keeps back the reserve of every active
+        request or the largest single need (:meth:`_single_need`), whichever
+        is more, and is re-read from the pool before each preallocation.
+        Requests resumed in this step (``resumed``) are not retractable yet:
+        SGLang still has them in its waiting queue.
+        """
         if not self.prealloc:
             return False
-        allocatable = await self._allocatable(count_retracted=True)
-        retractable = sum(r.seq_len for r in self.running)
-        clip = self.config.clip_max_new_tokens
+        retractable = [r for r in self.running if r not in resumed]
+        freeable = sum(map(self._held, retractable))
         started = False
         while self.prealloc:
             if len(self.running) + len(self.transfer) >= self.config.max_running_requests:
                 break
             req = self.prealloc[0]
-            required = self._required(req)
-            remaining = max(req.sampling_params.max_new_tokens - len(req.output_ids), 0)
-            single = len(req.origin_input_ids) + min(remaining, clip) - retractable
-            if max(required, single) > allocatable and not self._alone_fits(req, allocatable):
+            need = self._single_need(retractable, [*self.transfer.values(), *resumed])
+            allocatable = await self._allocatable(count_retracted=True, need=need)
+            gate = max(self._required(req), self._final_len(req) - freeable)
+            if gate > allocatable and not self._alone_fits(req, allocatable):
                 break
-            fill = len(req.origin_input_ids) + max(len(req.output_ids) - 1, 0)
             try:
                 row = await self.mem.alloc_row(req.rid)
             except OutOfRowsError:
                 break
-            if not (await self.mem.alloc_extend([(req.rid, fill)])).fits:
+            if not (await self.mem.alloc_extend([(req.rid, self._fill_len(req))])).fits:
                 await self.mem.free_row(req.rid)
                 break
             await self.mem.pd_expect(req.rid, req.bootstrap_room)
@@ -160,7 +202,6 @@ class DecodeEngine(Engine):
             self.transfer[req.bootstrap_room] = req
             self.stats.prealloc_reqs += 1
             self._event("prealloc", req)
-            allocatable -= required
             started = True
         return started
 
