@@ -6,6 +6,7 @@ without retracts on the decode node) must equal those of a normal-mode stack.
 
 from __future__ import annotations
 
+import random
 import signal
 import time
 from collections.abc import Iterator
@@ -34,6 +35,23 @@ def reference(checkpoint) -> Iterator[dict]:
     reqs = workload(seed=1, count=6, long_len=200)
     results = reference_run(checkpoint, BIG, reqs)
     yield {"reqs": reqs, "outputs": finish_ids(results), "results": results}
+
+
+@pytest.fixture(scope="module")
+def growth(checkpoint) -> Iterator[dict]:
+    """Requests that each fit the decode pool alone but outgrow it together.
+
+    Five prompts of ~50 tokens with 100 new tokens each (152 slots apiece at
+    the end) on the 256-token decode pool: the budget lets a second one in
+    beside the first (2 x 152 - 52 <= 256) and more as the first ones grow,
+    and together they need more than the pool, so the decode node retracts.
+    """
+    rng = random.Random(7)
+    reqs = [
+        (f"g{i}", [rng.randrange(256) for _ in range(rng.randint(44, 52))], 100) for i in range(5)
+    ]
+    results = reference_run(checkpoint, BIG, reqs)
+    yield {"reqs": reqs, "outputs": finish_ids(results)}
 
 
 def idle_check(*memsvcs) -> None:
@@ -92,7 +110,7 @@ def check_sglang_generate_through_the_router(up, reference) -> None:
     idle_check(up["memsvc-p"], up["memsvc-d"])
 
 
-def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, checkpoint, reference):
+def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, checkpoint, growth):
     up = launcher.start_pd_stack(
         checkpoint,
         POOL,
@@ -102,9 +120,9 @@ def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, check
         decode_scheduler=PRESSURE,
         transfer_backend="nixl",
     )
-    reqs = reference["reqs"]
+    reqs = growth["reqs"]
     got = run_all(up["router"].address, reqs)
-    assert finish_ids(got) == reference["outputs"]
+    assert finish_ids(got) == growth["outputs"]
     state = info(up["router"])
     stats = state["stats"]
     assert stats["retracted_reqs"] > 0, "the small decode pool should force retracts"
@@ -126,7 +144,7 @@ def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, check
 
 
 @pytest.mark.parametrize("fallback", ["abort", "recompute"])
-def test_host_store_full(launcher, checkpoint, reference, fallback):
+def test_host_store_full(launcher, checkpoint, growth, fallback):
     up = launcher.start_pd_stack(
         checkpoint,
         POOL,
@@ -135,21 +153,22 @@ def test_host_store_full(launcher, checkpoint, reference, fallback):
         decode_scheduler=[*PRESSURE, "--pd-retract-fallback", fallback],
         transfer_backend="zmq",
     )
-    got = run_all(up["router"].address, reference["reqs"])
+    got = run_all(up["router"].address, growth["reqs"])
     stats = info(up["router"])["stats"]
+    assert stats["retracted_reqs"] > 0, "the small decode pool should force retracts"
     aborted = {rid for rid, r in got.items() if r.finish_reason.get("type") == "abort"}
     if fallback == "abort":
         assert aborted and stats["host_full_aborts"] == len(aborted)
         for rid in aborted:
             assert "host store has no room" in got[rid].finish_reason["message"]
             assert got[rid].finish_reason["status_code"] == 500
-            want = reference["outputs"][rid]
+            want = growth["outputs"][rid]
             assert got[rid].output_ids == want[: len(got[rid].output_ids)]  # partial output
         for rid in set(got) - aborted:
-            assert got[rid].output_ids == reference["outputs"][rid]
+            assert got[rid].output_ids == growth["outputs"][rid]
     else:
         assert not aborted and stats["rebootstraps"] > 0
-        assert finish_ids(got) == reference["outputs"]
+        assert finish_ids(got) == growth["outputs"]
     idle_check(up["memsvc-p"], up["memsvc-d"])
 
 
