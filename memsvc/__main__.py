@@ -17,6 +17,7 @@ from memsvc.core.hicache import WRITE_POLICIES, HiCacheConfig
 from memsvc.core.storage import STORAGE_BACKENDS
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.handlers import MemService, ServiceConfig
+from memsvc.lifeline import die_with_parent
 from memsvc.limits import MessageLimit
 from memsvc.metrics import Metrics
 from memsvc.server import (
@@ -281,6 +282,7 @@ def make_transfer_agent(
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # when started by a launcher: SIGTERM once it is gone
     args = build_parser().parse_args(argv)
     setup_logging(args)
     try:

@@ -16,7 +16,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ import zmq
 
 from memsvc import curve
 from memsvc.cli import write_ready_file
+from memsvc.core.backends.shm import install_sigterm_cleanup
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.curve import CurveServerKeys
 from memsvc.limits import DEFAULT_LIMIT, Inbound, MessageLimit, recv_bounded, too_large_reply
@@ -73,32 +74,51 @@ async def serve_tasks(
     """Run ``coros`` as tasks until SIGTERM / SIGINT (which set ``stop``) or one of them fails.
 
     ``announce`` runs once they are started (the ready file, the address on
-    stdout). However it ends, every task is cancelled and awaited and the
-    signal handlers are removed; a task's exception is raised.
+    stdout). However it ends, every task is cancelled and awaited (then the
+    signals are as :func:`stop_on_signals` leaves them); a task's exception is raised.
     """
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
+    with stop_on_signals(loop, stop.set):
+        try:
+            tasks = [asyncio.create_task(coro) for coro in coros]
+            announce()
+            waiter = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            for task in done:
+                if task is not waiter and task.exception():
+                    raise task.exception()
+        finally:
+            for coro in coros[len(tasks) :]:
+                coro.close()  # never started
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+@contextlib.contextmanager
+def stop_on_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> Iterator[None]:
+    """Inside: SIGINT and SIGTERM call ``stop`` in ``loop``. After: SIGINT raises
+    KeyboardInterrupt and SIGTERM SystemExit, so a service's cleanup still runs.
+
+    SIGTERM never goes back to its default action, which would kill the service
+    where it stands, with memsvc's shared memory still linked: another SIGTERM
+    may well come while it stops (a parent-death signal may come several times,
+    as the child passes to each exiting thread of its parent in turn, perhaps
+    after the parent's own SIGTERM). So its handler is swapped, never removed
+    (removing a loop's handler resets the default); the loop's SIGINT handler
+    has it write to the loop's wake-up pipe, so it wakes the loop from any thread.
+    """
+    loop.add_signal_handler(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.call_soon_threadsafe(stop))
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        tasks = [asyncio.create_task(coro) for coro in coros]
-        announce()
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        for task in done:
-            if task is not waiter and task.exception():
-                raise task.exception()
+        yield
     finally:
-        for coro in coros[len(tasks) :]:
-            coro.close()  # never started
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        install_sigterm_cleanup()
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def remove_endpoint(listen: str, ready_file: str | None) -> None:
@@ -189,26 +209,23 @@ class ServiceShell:
             name=f"{self.name}-socket",
         )
         thread.start()
-        try:
-            error = await started
-            if error is not None:
-                raise error
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
-            write_ready_file(self.ready_file, self.listen, **self.ready_info)
-            epoch = self.ready_info.get("epoch")
-            print(f"{self.name} listening on {self.listen} (epoch {epoch})", flush=True)
-            error = await finished
-            if error is not None:
-                raise error
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-            self.request_stop()
-            await asyncio.to_thread(thread.join)
-            self._ctx.term()
-            remove_endpoint(self.listen, self.ready_file)
-            log.info("%s stopped", self.name)
+        with stop_on_signals(loop, self.request_stop):
+            try:
+                error = await started
+                if error is not None:
+                    raise error
+                write_ready_file(self.ready_file, self.listen, **self.ready_info)
+                epoch = self.ready_info.get("epoch")
+                print(f"{self.name} listening on {self.listen} (epoch {epoch})", flush=True)
+                error = await finished
+                if error is not None:
+                    raise error
+            finally:
+                self.request_stop()
+                await asyncio.to_thread(thread.join)
+                self._ctx.term()
+                remove_endpoint(self.listen, self.ready_file)
+                log.info("%s stopped", self.name)
 
     def _serve_thread(self, on_started, on_finished) -> None:
         """Bind, then answer requests and expire leases until told to stop."""

@@ -13,6 +13,7 @@ from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import MemClient
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import add_curve_arguments, curve_from_args
+from memsvc.lifeline import die_with_parent
 from memsvc.server import ServiceShell, check_listen_address, default_listen_address
 from model_svc.errors import ModelSvcError
 
@@ -73,6 +74,7 @@ def keep_freed_memory() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # when started by a launcher: SIGTERM once it is gone
     args = build_parser().parse_args(argv)
     setup_logging(args)
     keep_freed_memory()

@@ -12,6 +12,7 @@ from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
+from memsvc.lifeline import die_with_parent
 from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.core.config import RETRACTION_POLICIES
@@ -294,6 +295,7 @@ async def serve(args: argparse.Namespace, listen: str, curve: CurveKeys) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # when started by a launcher: SIGTERM once it is gone
     args = build_parser().parse_args(argv)
     setup_logging(args)
     try:

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kvstack.stack.launch import REPO, Launcher, Service, start_service
+from kvstack.stack.launch import REPO, Launcher, Service, remove_segments, start_service
 
-__all__ = ["REPO", "SMALL_POOL", "Stack", "start_memsvc", "start_service", "start_stack"]
+__all__ = [
+    "REPO",
+    "SMALL_POOL",
+    "Stack",
+    "kill_processes",
+    "processes_with",
+    "start_memsvc",
+    "start_service",
+    "start_stack",
+    "wait_for",
+]
 
 ServiceProcess = MemsvcProcess = Service
 SMALL_POOL = [
@@ -92,3 +106,40 @@ def start_stack(
 ) -> Stack:
     """memsvc + model_svc + scheduler_svc (normal mode), stopped with the launcher."""
     return Stack(*launcher.start_normal_stack(checkpoint, pool, scheduler, suffix=name, env=env))
+
+
+def processes_with(text: str) -> dict[int, str]:
+    """Running processes whose command line holds ``text`` (a run's unique folder), by pid."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended meanwhile
+            continue
+        if text in line:
+            found[int(cmdline.parent.name)] = line
+    return found
+
+
+def kill_processes(pids: list[int]) -> list[str]:
+    """SIGKILL ``pids`` (not children of this process) and unlink their shm segments.
+
+    Returns the segments' names.
+    """
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return [name for pid in pids for name in remove_segments(pid)]
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    """``predicate()``'s first true value (an OSError, ValueError or KeyError counts as
+    false: a file not yet written); AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            value = predicate()
+            if value:
+                return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")

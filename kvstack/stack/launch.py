@@ -6,7 +6,14 @@ epoch). :class:`Launcher` stops everything it started, last first, on exit:
 SIGTERM, then SIGKILL after a grace period, so no process or shared-memory
 segment outlives it: a kvstack segment a stopped service left is unlinked, and
 its name kept in :attr:`Service.leaked_segments` (and
-:attr:`Launcher.leaked_segments`) for the caller to report.
+:attr:`Launcher.leaked_segments`) for the caller to report. A service also
+dies with the process that started it, even one SIGKILLed (it gets SIGTERM and
+shuts down cleanly: :mod:`memsvc.lifeline`).
+
+A service that exits before it is ready, or is not ready by its deadline
+(:data:`READY_TIMEOUT_S`; model_svc's grows with its checkpoint,
+:func:`model_ready_timeout`), is a :class:`LaunchError` that says which, with
+the end of its log.
 """
 
 from __future__ import annotations
@@ -26,12 +33,56 @@ from typing import Any
 from kvstack.stack.model_pool import pool_layout_args, worker_threads
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from memsvc.curve import KeyFolder
+from memsvc.lifeline import child_env
 
 REPO = Path(__file__).resolve().parents[2]
+# Seconds a service may take to write its ready file: generous, as a start-up on a
+# loaded machine (imports, a torch start) takes many times what it does on an idle one.
+READY_TIMEOUT_S = 120.0
+# model_svc's deadline grows by this much per GB of checkpoint (read and converted
+# on two busy cores; SmolLM2-135M's 0.5 GB adds a minute).
+LOAD_S_PER_GB = 120.0
+LOG_TAIL_LINES = 30
 
 
 class LaunchError(RuntimeError):
-    """A service exited or did not become ready in time; the message has its log."""
+    """A service exited or did not become ready in time; the message says which, and
+    ends with its log's last lines."""
+
+
+def model_ready_timeout(checkpoint: str | Path) -> float:
+    """model_svc's ready deadline: :data:`READY_TIMEOUT_S` plus time to load ``checkpoint``."""
+    folder = Path(checkpoint)
+    size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    return READY_TIMEOUT_S + LOAD_S_PER_GB * size / 1e9
+
+
+def service_env(extra: dict[str, str] | None = None, *, die_with_parent: bool = True) -> dict:
+    """A service's environment: this one, the repository importable, ``extra``; and,
+    if ``die_with_parent``, what makes it exit when this process does."""
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    lifeline = child_env() if die_with_parent else {}
+    return {**os.environ, "PYTHONPATH": python_path, **lifeline, **(extra or {})}
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """``"its log PATH ends:"`` and its last ``lines`` lines, or that it is empty or missing."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"no log at {path}"
+    if not text.strip():
+        return f"its log {path} is empty"
+    return f"its log {path} ends:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def exit_status(code: int) -> str:
+    """``"exited with code 1"`` or ``"was killed by SIGKILL"`` (a Popen returncode)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def remove_segments(pid: int) -> list[str]:
@@ -86,33 +137,37 @@ def start_service(
     *args: str,
     name: str | None = None,
     address: str | None = None,
-    timeout: float = 60,
+    timeout: float = READY_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> Service:
-    """``python -m module --listen ADDRESS --ready-file F *args``, returned once it serves."""
+    """``python -m module --listen ADDRESS --ready-file F *args``, returned once it serves.
+
+    Raises :class:`LaunchError` if it exits first, or is not serving after ``timeout``
+    seconds (then it is killed); either way its leftover segments are unlinked.
+    """
     name = name or module
     address = address or f"ipc://{workdir}/{name}.sock"
     ready = workdir / f"{name}.ready"
     ready.unlink(missing_ok=True)
     log_path = workdir / f"{name}.log"
     command = [sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready), *args]
-    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": python_path, **(env or {})},
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=service_env(env)
         )
     deadline = time.monotonic() + timeout
     while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            remove_segments(proc.pid)
-            raise LaunchError(f"{name} did not start:\n{log_path.read_text()}")
-        time.sleep(0.02)
+        if proc.poll() is not None:
+            what = f"{exit_status(proc.returncode)} before it was ready"
+        elif time.monotonic() > deadline:
+            what = f"was still running but not ready after {timeout:.0f}s (pid {proc.pid}; killed)"
+        else:
+            time.sleep(0.02)
+            continue
+        proc.kill()
+        proc.wait()
+        remove_segments(proc.pid)
+        raise LaunchError(f"{name} {what}; {log_tail(log_path)}")
     return Service(name, proc, address, json.loads(ready.read_text()), log_path)
 
 
@@ -173,6 +228,7 @@ class Launcher:
             *model,
             *logging,
             name=f"model_svc{suffix}",
+            timeout=model_ready_timeout(checkpoint),
         )
         sched = self.start(
             "scheduler_svc",
@@ -245,6 +301,7 @@ class Launcher:
                 *model,
                 *logging,
                 name=f"model_svc-{node}{suffix}",
+                timeout=model_ready_timeout(checkpoint),
             )
             node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else scheduler
             up[f"scheduler-{node}"] = self.start(

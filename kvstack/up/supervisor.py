@@ -21,7 +21,6 @@ pid, address, state, health and restarts; ``kvstack status`` reads it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstack.stack.launch import REPO, remove_segments
+from kvstack.stack.launch import REPO, exit_status, log_tail, remove_segments, service_env
 from kvstack.stack.spec import ProcessSpec
 from kvstack.up.health import check
 from memsvc.curve import KeyFolder
@@ -42,7 +41,6 @@ from memsvc.curve import KeyFolder
 log = logging.getLogger("kvstack.supervisor")
 
 STATE_FILE = "state.json"
-PR_SET_PDEATHSIG = 1
 
 
 class SupervisorError(RuntimeError):
@@ -107,8 +105,8 @@ class Supervisor:
 
     ``new_session``: children get their own session (a terminal's Ctrl-C
     reaches only the supervisor, which stops them in order);
-    ``die_with_parent``: children get SIGTERM if the supervisor dies (Linux;
-    only for a supervisor that spawns from its main thread). ``curve``: the
+    ``die_with_parent``: children get SIGTERM if the supervisor's process dies,
+    SIGKILLed or not, whichever thread spawned them (:mod:`memsvc.lifeline`). ``curve``: the
     stack's keys when its sockets have CURVE on (the health checks use its
     client keys; the state file names its folder for ``kvstack status``).
     """
@@ -124,7 +122,7 @@ class Supervisor:
         health_interval_s: float = 5.0,
         stop_timeout_s: float = 30.0,
         new_session: bool = False,
-        die_with_parent: bool = False,
+        die_with_parent: bool = True,
         curve: KeyFolder | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
@@ -209,13 +207,13 @@ class Supervisor:
                 raise SupervisorError(f"interrupted while starting {name}")
             if managed.proc.poll() is not None:
                 raise SupervisorError(
-                    f"{name} exited with code {managed.proc.returncode} while starting:\n"
-                    f"{_tail(managed.spec.log_file)}"
+                    f"{name} {exit_status(managed.proc.returncode)} while starting; "
+                    f"{log_tail(managed.spec.log_file)}"
                 )
             if time.monotonic() > deadline:
                 raise SupervisorError(
                     f"{name} did not become healthy within {self.policy.ready_timeout_s:.0f}s "
-                    f"({managed.health}):\n{_tail(managed.spec.log_file)}"
+                    f"({managed.health}); {log_tail(managed.spec.log_file)}"
                 )
             if managed.state == "starting":
                 self._check_ready(managed, time.monotonic())
@@ -228,7 +226,6 @@ class Supervisor:
     def _spawn(self, managed: Managed) -> None:
         spec = managed.spec
         spec.ready_file.unlink(missing_ok=True)
-        python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         with open(spec.log_file, "ab") as log_file:
             managed.proc = subprocess.Popen(
                 spec.command,
@@ -236,9 +233,8 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=REPO,
-                env={**os.environ, "PYTHONPATH": python_path, **spec.env},
+                env=service_env(spec.env, die_with_parent=self.die_with_parent),
                 start_new_session=self.new_session,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
         managed.pids.append(managed.proc.pid)
         managed.state = "starting"
@@ -411,16 +407,3 @@ class Supervisor:
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(self.state(), indent=1))
             os.replace(tmp, path)
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the supervisor dies (no orphans after a SIGKILL of it)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

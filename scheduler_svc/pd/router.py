@@ -54,6 +54,7 @@ import zmq.asyncio
 from memsvc import protocol as wire
 from memsvc.cli import add_service_args, setup_logging, write_ready_file
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args, make_client, secure_server
+from memsvc.lifeline import die_with_parent
 from memsvc.limits import recv_bounded_async
 from memsvc.server import (
     check_listen_address,
@@ -501,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # when started by a launcher: SIGTERM once it is gone
     args = build_parser().parse_args(argv)
     setup_logging(args)
     listen = args.listen or default_listen_address("router")

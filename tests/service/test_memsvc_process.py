@@ -263,6 +263,20 @@ def test_sigterm_exits_zero_and_removes_shm_and_socket(tmp_path) -> None:
     assert "memsvc stopped" in svc.log()
 
 
+def test_repeated_sigterms_still_remove_shm(tmp_path) -> None:
+    """A parent-death signal may come several times (the child passes to each exiting
+    thread of its parent in turn), perhaps after the launcher's own SIGTERM: one arriving
+    while memsvc stops must not kill it before it has unlinked its shared memory."""
+    svc = start_memsvc(tmp_path)
+    assert len([n for n in list_segments() if n.startswith(f"kvstack-{svc.proc.pid}-")]) == 2
+    deadline = time.monotonic() + 30
+    while svc.proc.poll() is None and time.monotonic() < deadline:
+        os.kill(svc.proc.pid, signal.SIGTERM)
+        time.sleep(0.001)
+    code = svc.stop()  # may be -SIGTERM: one that came after the cleanup
+    assert svc.leaked_segments == [], f"exit code {code}:\n{svc.log()}"
+
+
 LAYOUT = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8"]
 
 

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from kvstack.up.cli import pid_alive
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from scheduler_svc.client import GenerateClient
-from tests.procs import REPO
+from tests.procs import REPO, processes_with, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -52,17 +51,6 @@ def kvstack(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def read_state(run_dir: Path) -> dict:
     return json.loads((run_dir / STATE_FILE).read_text())
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            value = predicate()
-            if value:
-                return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 @pytest.fixture
@@ -206,6 +194,20 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
     assert read_state(run_dir)["status"] == "stopped"
     assert kvstack("status", "--run-dir", str(run_dir)).returncode == 1  # nothing runs
+
+
+def test_a_killed_up_leaves_no_service_or_segment(up, run_dir: Path) -> None:
+    """SIGKILL ``kvstack up``: every process it started, a restarted one too, follows it
+    (SIGTERM, so memsvc still unlinks its shared memory)."""
+    stack = up("--mode", "normal", *POOL, "--backoff-initial", "0.2", "--health-interval", "1")
+    wait_for(stack.healthy, 240, f"a healthy stack:\n{stack.output()}")
+    stack.kill_and_await_restart("model_svc")  # spawned again by the supervision loop
+    pids = set(stack.pids)
+    assert [n for n in list_segments() if segment_owner_pid(n) in pids]
+    stack.proc.kill()
+    stack.proc.wait()
+    wait_for(lambda: not processes_with(str(run_dir)), 60, "the services to exit")
+    assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
 
 
 PD_NAMES = [

@@ -82,8 +82,9 @@ def segment_owner_pid(name: str) -> int | None:
 def install_sigterm_cleanup() -> None:
     """Make SIGTERM exit through ``SystemExit`` so finalizers unlink our segments.
 
-    For processes that own a pool and have no SIGTERM handling of their own
-    (the service shell installs its own, which also closes the pool).
+    For processes that own a pool and have no SIGTERM handling of their own;
+    the services, before their shell handles SIGTERM and once it no longer
+    does (:mod:`memsvc.lifeline`, :func:`memsvc.server.stop_on_signals`).
     """
 
     def _exit(signum: int, frame: Any) -> None:
