@@ -140,6 +140,7 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             options.via.get("model_svc", model.address),
             "--memsvc-session-file",
             str(session_file),
+            *tokenizer_args(checkpoint),
             *options.scheduler_args,
             *logging_args,
         ],
@@ -147,6 +148,11 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
         extra_files=(session_file,),
     )
     return [mem, model, scheduler]
+
+
+def tokenizer_args(checkpoint: str) -> list[str]:
+    """A scheduler tokenizes ``text`` with the model's tokenizer (without, as bytes)."""
+    return ["--checkpoint", checkpoint]
 
 
 PD_NODES = (("d", "decode"), ("p", "prefill"))
@@ -230,6 +236,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
                 via(models[node]),
                 "--memsvc-session-file",
                 str(session_file),
+                *tokenizer_args(checkpoint),
                 *options.scheduler_args,
                 *extra,
                 *logging_args,

@@ -244,6 +244,20 @@ def test_pd_process_list_is_wired(run_dir: Path) -> None:
         build_process_list("both", run_dir, StackOptions())
 
 
+@pytest.mark.parametrize("mode", ["normal", "pd"])
+def test_every_scheduler_tokenizes_with_the_models_tokenizer(
+    run_dir: Path, checkpoint: Path, mode: str
+) -> None:
+    """A scheduler without --checkpoint tokenizes text as bytes: SmolLM2's "Hello" would be
+    bos + 5 bytes instead of its one token."""
+    specs = build_process_list(mode, run_dir, StackOptions(checkpoint=str(checkpoint)))
+    schedulers = [s for s in specs if s.kind == "scheduler_svc"]
+    assert len(schedulers) == (1 if mode == "normal" else 2)
+    for spec in schedulers:
+        command = spec.command
+        assert command[command.index("--checkpoint") + 1] == str(checkpoint), command
+
+
 def test_pd_up_status_restart_and_stop(up, run_dir: Path) -> None:
     stack = up(
         "--mode",
