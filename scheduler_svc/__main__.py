@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from memsvc.cli import add_service_args, setup_logging
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         default=None,
         help="checkpoint folder whose tokenizer.json to use for text input "
-        "(default: the byte-level tokenizer)",
+        "(default: the byte-level tokenizer); info names it, so that a front decodes alike",
     )
     parser.add_argument(
         "--served-model-name",
@@ -283,6 +284,10 @@ async def serve(args: argparse.Namespace, listen: str, curve: CurveKeys) -> int:
             recovery=recovery,
             mode=args.mode,
             curve=curve.server,
+            model_info={
+                "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
+                "served_model_name": args.served_model_name,
+            },
         )
         await service.run()
         return 0

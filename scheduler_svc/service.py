@@ -100,8 +100,12 @@ class SchedulerService:
         recovery: Recovery | None = None,
         mode: str = "normal",
         curve: CurveServerKeys | None = None,
+        model_info: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        # What it serves, for a front that was not told: the checkpoint whose tokenizer
+        # it uses for text (None: the byte tokenizer) and the served model name.
+        self.model_info = model_info or {"checkpoint": None, "served_model_name": None}
         self.mode = mode
         self.curve = curve
         self.recovery = recovery or Recovery(engine, None)
@@ -522,6 +526,7 @@ class SchedulerService:
                 **self.recovery.stats.as_dict(),
                 "model_resends": getattr(engine.model, "resends", 0),
             },
+            **self.model_info,
             **self._pd_info(),
         }
 

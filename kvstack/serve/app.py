@@ -79,6 +79,7 @@ class Backend:
     checkpoint: Path | None = None  # None: the byte tokenizer (the scheduler's default)
     pids: dict[str, int] = field(default_factory=dict)  # started services, by name
     curve: CurveClientKeys | None = None  # the scheduler's CURVE, if it has it on
+    served_model_name: str | None = None  # the scheduler's, when it was asked
 
 
 # -- the HTTP front ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Either starts a stack itself (memsvc, model_svc, scheduler_svc, in a private
 temporary folder, stopped and reaped on the way out) or, with ``--scheduler``,
 fronts one that is already running (what docker compose does: one container
-per process). Endpoints, as SGLang names them:
+per process); without ``--model-path`` it then asks the scheduler which model it
+serves (its ``info``, waiting up to ``--ready-timeout`` for an answer), to
+decode with that model's tokenizer. Endpoints, as SGLang names them:
 
 * ``POST /generate``: ``text`` or ``input_ids``, ``sampling_params``,
   ``stream`` (server-sent events, ``data: [DONE]`` last), ``rid``;
@@ -39,6 +41,7 @@ import logging
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +61,22 @@ from kvstack.stack.service_flags import (
     ROUTER,
     SCHEDULER,
     add_model_flags,
+    add_ready_timeout,
     add_service_flags,
+    ready_timeout,
     served_model_name,
     service_argv,
     transfer_options,
 )
 from memsvc.cli import LOG_FORMAT, write_ready_file
 from memsvc.core.errors import InvalidArgumentError
-from memsvc.curve import KeyFolder
+from memsvc.curve import CurveClientKeys, KeyFolder
 
 log = logging.getLogger("kvstack.http")
 
 DEFAULT_PORT = 30000  # SGLang's
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests get this long, then are cancelled (and aborted)
+ASK_TIMEOUT_S = 2.0  # one try at asking a fronted scheduler what it serves
 
 
 class ServeError(RuntimeError):
@@ -157,24 +163,70 @@ def _scheduler(args: argparse.Namespace, model: StackModel) -> list[str]:
     ]
 
 
-def _fronted(args: argparse.Namespace) -> Backend:
+def _fronted(args: argparse.Namespace, curve: CurveClientKeys | None) -> Backend:
     metrics = {}
     for i, spec in enumerate(args.metrics_url):
         name, sep, url = spec.partition("=")
         if not sep or "://" in name:
             name, url = f"source{i}", spec
         metrics[name] = url
-    return Backend(scheduler=args.scheduler, metrics=metrics, checkpoint=_fronted_checkpoint(args))
+    if args.model_path is not None:
+        checkpoint, served = _fronted_checkpoint(args.model_path), None
+    else:
+        checkpoint, served = _scheduler_model(args.scheduler, curve, ready_timeout(args, None))
+    return Backend(args.scheduler, metrics, checkpoint, curve=curve, served_model_name=served)
 
 
-def _fronted_checkpoint(args: argparse.Namespace) -> Path | None:
+def _fronted_checkpoint(model_path: str) -> Path | None:
     """The fronted stack's checkpoint, for its tokenizer; None: the tiny model's bytes."""
-    if args.model_path == TINY and not Path(TINY).is_dir():
+    if model_path == TINY and not Path(TINY).is_dir():
         return None
     try:
-        return resolve_model_path(args.model_path, say=say_on_stderr("kvstack serve"))
+        return resolve_model_path(model_path, say=say_on_stderr("kvstack serve"))
     except ModelArgsError as exc:
         raise ServeError(str(exc)) from None
+
+
+def _scheduler_model(
+    address: str, curve: CurveClientKeys | None, timeout_s: float
+) -> tuple[Path | None, str | None]:
+    """What the scheduler at ``address`` serves, asked until it answers (up to
+    ``timeout_s``): the checkpoint whose tokenizer it uses (None: bytes, the tiny
+    model's) and its served model name."""
+    info = _ask_info(address, curve, timeout_s)
+    if "checkpoint" not in info:
+        raise ServeError(
+            f"the scheduler at {address} does not say which model it serves (an older "
+            "scheduler_svc); pass --model-path"
+        )
+    checkpoint = info["checkpoint"]
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise ServeError(
+            f"the scheduler at {address} serves {checkpoint}, which is no folder here; pass "
+            "--model-path (that model's folder, or its name, here)"
+        )
+    return (None if checkpoint is None else Path(checkpoint)), info.get("served_model_name")
+
+
+def _ask_info(address: str, curve: CurveClientKeys | None, timeout_s: float) -> dict[str, Any]:
+    from memsvc.client import PeerDeadError
+    from scheduler_svc.client import GenerateClient
+
+    deadline = time.monotonic() + timeout_s
+    ask_s = min(timeout_s, ASK_TIMEOUT_S)
+    with GenerateClient(address, timeout_s=ask_s, resubmits=0, curve=curve) as client:
+        while True:
+            with contextlib.suppress(PeerDeadError):
+                info = client.info()
+                if info.get("ok") or "checkpoint" in info:  # a wedged router still says
+                    return info
+                time.sleep(min(ask_s, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise ServeError(
+                    f"the scheduler at {address} did not answer within {timeout_s:g} s, so "
+                    "which model it serves is unknown: pass --model-path (or a longer "
+                    "--ready-timeout)"
+                )
 
 
 def load_stream_tokenizer(checkpoint: Path | None) -> Any:
@@ -263,7 +315,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "started serves and connects with them (created in DIR if it holds none); with "
         "--scheduler, the front connects with DIR's client keys",
     )
-    model = add_model_arguments(parser, default_model=TINY)
+    add_ready_timeout(stack)
+    model = add_model_arguments(
+        parser,
+        default_model=None,
+        default_help="default: tiny; with --scheduler, the model the scheduler says it serves",
+    )
     add_model_flags(model)
     add_service_flags(parser)
 
@@ -272,26 +329,28 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     signals = _DeferredSignals()
     signals.install()  # a signal while the stack starts stops it once it is up
+    args.model_path = getattr(args, "model_path", None) or (None if args.scheduler else TINY)
     try:
         with contextlib.ExitStack() as exits:
             curve = _curve_keys(args)
             if args.scheduler:
-                backend = _fronted(args)
+                backend = _fronted(args, curve.client_keys() if curve else None)
             else:
                 from kvstack.stack.launch import Launcher, LaunchError
                 from kvstack.stack.model_pool import PoolMismatchError
                 from model_svc.errors import CheckpointError
 
                 workdir = exits.enter_context(tempfile.TemporaryDirectory(prefix="kvstack-serve-"))
-                launcher = Launcher(workdir, curve=curve)
+                given = getattr(args, "ready_timeout", None)  # None: each service's default
+                launcher = Launcher(workdir, curve=curve, ready_timeout=given)
                 exits.callback(_report_leaks, launcher)  # runs once the launcher has stopped all
                 exits.enter_context(launcher)
                 try:
                     backend = start_stack(launcher, args.mode, args)
                 except (LaunchError, PoolMismatchError, CheckpointError) as exc:
                     raise ServeError(str(exc)) from None
-            if curve is not None:
-                backend = dataclasses.replace(backend, curve=curve.client_keys())
+                if curve is not None:
+                    backend = dataclasses.replace(backend, curve=curve.client_keys())
             if signals.received is not None:
                 log.info("signal %d while starting: stopping", signals.received)
                 return 0
@@ -302,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
                 incremental_streaming=args.incremental_streaming_output,
                 request_timeout_s=args.request_timeout,
                 control_timeout_s=args.control_timeout,
-                served_model_name=served_model_name(args),
+                served_model_name=served_model_name(args) or backend.served_model_name,
             )
             try:
                 asyncio.run(serve(front, args, signals))

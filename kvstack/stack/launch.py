@@ -177,14 +177,22 @@ class Launcher:
     ``stop_timeout``: seconds each service gets after SIGTERM before SIGKILL.
     ``curve``: every service it starts serves and connects with these keys
     (CURVE on every socket); its clients need ``curve.client_keys()``.
+    ``ready_timeout``: seconds each service may take to start (``--ready-timeout``);
+    None: :func:`start_service`'s default, model_svc's grown with its checkpoint.
     """
 
     def __init__(
-        self, workdir: str | Path, *, stop_timeout: float = 30, curve: KeyFolder | None = None
+        self,
+        workdir: str | Path,
+        *,
+        stop_timeout: float = 30,
+        curve: KeyFolder | None = None,
+        ready_timeout: float | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.stop_timeout = stop_timeout
         self.curve = curve
+        self.ready_timeout = ready_timeout
         self.services: list[Service] = []
         # Every segment a service stopped by :meth:`stop_all` left (unlinked).
         self.leaked_segments: list[str] = []
@@ -192,6 +200,8 @@ class Launcher:
     def start(self, module: str, *args: str, **kwargs: Any) -> Service:
         if self.curve is not None:  # every kvstack service takes the four flags
             args = (*args, *self.curve.service_args())
+        if self.ready_timeout is not None:
+            kwargs["timeout"] = self.ready_timeout
         service = start_service(self.workdir, module, *args, **kwargs)
         self.services.append(service)
         return service

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from scheduler_svc.core.config import RETRACTION_POLICIES
@@ -348,7 +349,8 @@ def add_model_flags(group: Any) -> None:
         default=argparse.SUPPRESS,
         metavar="NAME",
         help="the model's name in /v1/models, responses and the metrics' model_name label "
-        "(default: --model-path as given, as SGLang)",
+        "(default: --model-path as given, as SGLang; serve --scheduler without it: the "
+        "scheduler's)",
     )
     group.add_argument(
         "--max-context-len",
@@ -359,5 +361,30 @@ def add_model_flags(group: Any) -> None:
     )
 
 
-def served_model_name(args: argparse.Namespace) -> str:
+def served_model_name(args: argparse.Namespace) -> str | None:
     return getattr(args, "served_model_name", None) or args.model_path
+
+
+def add_ready_timeout(group: Any) -> None:
+    """``--ready-timeout``: how long ``serve`` and ``up`` give each service to start."""
+    from kvstack.stack.launch import LOAD_S_PER_GB, READY_TIMEOUT_S
+
+    group.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="seconds each service may take to start (default: "
+        f"{READY_TIMEOUT_S:g}, plus {LOAD_S_PER_GB:g} per GB of checkpoint, which model_svc "
+        "loads)",
+    )
+
+
+def ready_timeout(args: argparse.Namespace, checkpoint: str | Path | None) -> float:
+    """``--ready-timeout``, or its default for ``checkpoint`` (None: no model to load)."""
+    from kvstack.stack.launch import READY_TIMEOUT_S, model_ready_timeout
+
+    given = getattr(args, "ready_timeout", None)
+    if given is not None:
+        return given
+    return READY_TIMEOUT_S if checkpoint is None else model_ready_timeout(checkpoint)

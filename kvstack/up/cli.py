@@ -28,7 +28,9 @@ from kvstack.stack.service_flags import (
     ROUTER,
     SCHEDULER,
     add_model_flags,
+    add_ready_timeout,
     add_service_flags,
+    ready_timeout,
     served_model_name,
     service_argv,
     transfer_options,
@@ -118,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="a process up this long (s) restarts at the first delay again",
     )
-    sup.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a start may take")
+    add_ready_timeout(sup)
     sup.add_argument(
         "--health-interval", type=float, default=5.0, help="seconds between health checks"
     )
@@ -174,7 +176,10 @@ def run(args: argparse.Namespace) -> int:
         run_dir,
         mode=args.mode,
         policy=RestartPolicy(
-            args.backoff_initial, args.backoff_max, args.stable_after, args.ready_timeout
+            args.backoff_initial,
+            args.backoff_max,
+            args.stable_after,
+            ready_timeout(args, options.checkpoint),
         ),
         health_timeout_s=args.health_timeout,
         health_interval_s=args.health_interval,

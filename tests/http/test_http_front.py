@@ -37,6 +37,7 @@ from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
 from tests.procs import REPO
+from tests.supervisor.test_supervisor import kvstack
 
 CAPACITY = 1024
 POOL = ["--page-size", "4", "--num-pages", "256", "--max-context-len", "2048"]
@@ -465,6 +466,8 @@ def test_fronting_a_running_scheduler(server: Front, tmp_path: Path) -> None:
             "orphan",
             "--scheduler",
             f"ipc://{tmp_path}/nobody.sock",
+            "--model-path",
+            "tiny",  # nobody to ask which model it is
             "--control-timeout",
             "0.5",
             "--request-timeout",
@@ -484,6 +487,9 @@ def test_fronting_a_running_scheduler(server: Front, tmp_path: Path) -> None:
                     out["generate"] = await response.json()
                 async with http.get(f"{front}/health") as response:
                     out["health"] = response.status
+                for name, url in (("model", front), ("server_model", server.url)):
+                    async with http.get(f"{url}/get_model_info") as response:
+                        out[name] = await response.json()
                 async with http.get(f"{front}/metrics") as response:
                     out["metrics"] = await response.text()
                 async with http.get(f"{orphan}/health") as response:
@@ -502,6 +508,9 @@ def test_fronting_a_running_scheduler(server: Front, tmp_path: Path) -> None:
         codes = [stop_front(front, signal.SIGINT, timeout=20) for front in fronts]
     assert out["generate"]["output_ids"] == out["want"].output_ids
     assert out["health"] == 200
+    # no --model-path: the front serves (and decodes with) what the scheduler says it serves
+    assert out["model"]["model_path"] == out["server_model"]["model_path"]
+    assert out["model"]["model_path"] != "tiny" and Path(out["model"]["model_path"]).is_dir()
     found = families(out["metrics"])
     assert "kvstack_generated_tokens" in found and "memsvc_tokens" not in found
     assert out["orphan_health"][0] == 503
@@ -510,6 +519,30 @@ def test_fronting_a_running_scheduler(server: Front, tmp_path: Path) -> None:
     up = families(out["orphan_metrics"])["kvstack_http_metrics_source_up"]
     assert sample_value(up, "kvstack_http_metrics_source_up", source="dead") == 0
     assert codes == [0, 0], [f.log() for f in fronts]
+
+
+def serve_fails(*args: str) -> str:
+    """``kvstack serve ARGS`` must give up with exit status 2; returns its stderr."""
+    done = kvstack("serve", "--port", "0", *args, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    return done.stderr
+
+
+def test_fronting_a_silent_scheduler_without_a_model_path_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """Which tokenizer to decode with is the scheduler's to say; if it does not answer
+    within --ready-timeout, the front cannot know and says so."""
+    started = time.monotonic()
+    err = serve_fails("--scheduler", f"ipc://{tmp_path}/nobody.sock", "--ready-timeout", "1")
+    assert time.monotonic() - started < 60
+    assert "did not answer within 1 s" in err and "--model-path" in err, err
+
+
+def test_a_service_not_ready_within_ready_timeout_stops_serve(tmp_path: Path) -> None:
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt")
+    err = serve_fails("--model-path", str(checkpoint), "--ready-timeout", "0.01")
+    assert "error: memsvc" in err and "not ready" in err, err
 
 
 # -- pieces, in process ---------------------------------------------------------------------

@@ -120,6 +120,18 @@ def test_up_builds_a_pd_stack_with_each_flag_on_its_process(checkpoint, tmp_path
     assert "--stall-timeout 9.0" in " ".join(specs["router"].command)
 
 
+def test_serve_waits_for_each_service_as_long_as_up_does() -> None:
+    """--ready-timeout: one flag, one default and one meaning for both commands."""
+
+    def ready_timeout(command: str) -> argparse.Action | None:
+        return option(cli.build_parser([command]).subcommands[command], "--ready-timeout")
+
+    serve, up = ready_timeout("serve"), ready_timeout("up")
+    assert serve is not None, "kvstack serve has no --ready-timeout"
+    assert (serve.default, serve.type, serve.help) == (up.default, up.type, up.help)
+    assert serve_args(["--ready-timeout", "300"]).ready_timeout == 300
+
+
 def help_sections(command: str, capsys) -> dict[str, str]:
     """``kvstack COMMAND --help``: each section's title -> its text."""
     with pytest.raises(SystemExit) as exit_info:

@@ -176,6 +176,8 @@ def test_health_generate_is_503_without_a_scheduler(tmp_path: Path) -> None:
         "orphan",
         "--scheduler",
         f"ipc://{tmp_path}/nobody.sock",
+        "--model-path",
+        "tiny",  # nobody to ask which model it is
         "--control-timeout",
         "0.5",
         "--request-timeout",
