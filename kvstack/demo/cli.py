@@ -13,11 +13,13 @@ that nothing is retracted is the reference. While each run goes, a sampler
 thread polls memsvc and the scheduler (or router) for token usage, evictable
 tokens, ``new_token_ratio``, queue lengths and retract events.
 
-Prints a table per mode, a few of the questions with their answers (on a
-real model), and a line saying whether every output is token-identical to the
-reference (exit 1 if not, or if a page or a shared-memory segment leaked),
-and writes PNG plots to ``--plots-dir``. The requests are in
-:mod:`kvstack.demo.workload`.
+Prints a table per mode, each aborted request's message and status code, a
+few of the questions with their answers (on a real model), and a line saying
+whether every output is token-identical to the reference (exit 1 if not, or if
+a page or a shared-memory segment leaked), and writes PNG plots to
+``--plots-dir``. The services' logs are kept (and the folder named) with
+``--keep-logs DIR``, and in a new temporary folder whenever the demo fails.
+The requests are in :mod:`kvstack.demo.workload`.
 Leaves no process or shared-memory segment behind.
 """
 
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -139,7 +142,9 @@ def queue_lengths(info: dict[str, Any]) -> dict[str, int]:
 class RunResult:
     name: str
     outputs: dict[str, list[int]]
-    finish_types: dict[str, str]
+    # SGLang's: {"type": "stop" | "length" | "abort", ...}; an abort's has "message" and
+    # "status_code"
+    finish_reasons: dict[str, dict[str, Any]]
     latencies: list[float]
     seconds: float
     stats: dict[str, Any]  # the scheduler's (the decode node's, in PD mode) engine stats
@@ -148,6 +153,15 @@ class RunResult:
     samples: list[Sample] = field(default_factory=list)
     prefill_tokens_per_s: float = 0.0  # measured on the reference run only
     retractions: dict[str, int] = field(default_factory=dict)  # rid -> times retracted
+
+    @property
+    def aborts(self) -> dict[str, dict[str, Any]]:
+        """The finish reason of each aborted request, by rid."""
+        return {
+            rid: reason
+            for rid, reason in self.finish_reasons.items()
+            if reason.get("type") == "abort"
+        }
 
 
 async def drive(address: str, reqs: list[Request], progress: Progress, task: Any) -> RunResult:
@@ -168,7 +182,7 @@ async def drive(address: str, reqs: list[Request], progress: Progress, task: Any
     return RunResult(
         name="",
         outputs={r.rid: list(r.output_ids) for r in results},
-        finish_types={r.rid: (r.finish_reason or {}).get("type", "") for r in results},
+        finish_reasons={r.rid: dict(r.finish_reason or {}) for r in results},
         latencies=sorted(latencies),
         seconds=seconds,
         stats=stats,
@@ -277,7 +291,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "reprefilled": stats["reprefilled_tokens"],
         "offloaded_bytes": stats["offloaded_tokens"] * bpt,
         "loaded_bytes": stats["loaded_tokens"] * bpt,
-        "aborts": sum(1 for t in result.finish_types.values() if t == "abort"),
+        "aborts": len(result.aborts),
         "tokens_per_s": generated / max(result.seconds, 1e-9),
         "p50": percentile(result.latencies, 0.50),
         "p99": percentile(result.latencies, 0.99),
@@ -310,6 +324,16 @@ def render_table(summaries: dict[str, dict[str, Any]]) -> Table:
     for label, key, fmt in TABLE_ROWS:
         table.add_row(label, *(fmt.format(s[key]) for s in summaries.values()))
     return table
+
+
+def abort_lines(runs: dict[str, RunResult]) -> list[str]:
+    """One line per aborted request: the run, the rid, the message and the status code."""
+    return [
+        f"{name}: {rid} aborted: {reason.get('message') or '(no message)'} "
+        f"(status {reason.get('status_code', '?')})"
+        for name, run in runs.items()
+        for rid, reason in sorted(run.aborts.items())
+    ]
 
 
 def check_identical(
@@ -367,6 +391,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sample-interval", type=float, default=0.075, help="seconds between samples"
     )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="copy the services' logs into DIR (a folder per run); without it they are kept "
+        "only if the demo fails, in a new temporary kvstack-demo-logs-* folder",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,8 +408,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstack.demo import plots as demo_plots
-
     console = Console()
     try:
         checkpoint = resolve_model_path(args.model_path, say=console.print)
@@ -394,11 +424,35 @@ def run(args: argparse.Namespace) -> int:
         f"(prompt + max_new) on a {capacity}-token pool; long prompt {len(reqs[0][1])} tokens",
         soft_wrap=True,
     )
-    runs, leaked = execute(checkpoint, reqs, console, args.sample_interval)
+    with tempfile.TemporaryDirectory(prefix="kvstack-demo-") as workdir:
+        code = 1
+        try:
+            code = run_and_report(args, checkpoint, tokenizer, work, Path(workdir), console)
+        finally:  # an exception too: its logs say what the services saw
+            if code != 0 or args.keep_logs is not None:
+                kept = keep_logs(Path(workdir), args.keep_logs)
+                console.print(f"service logs kept in {kept}", soft_wrap=True)
+    return code
+
+
+def run_and_report(
+    args: argparse.Namespace,
+    checkpoint: Path,
+    tokenizer: Any,
+    work: Workload,
+    workdir: Path,
+    console: Console,
+) -> int:
+    """The three runs (their services in ``workdir``), the report, the plots; the exit code."""
+    from kvstack.demo import plots as demo_plots
+
+    runs, leaked = execute(checkpoint, work.requests, console, args.sample_interval, workdir)
     reference = runs.pop("reference")
     summaries = {name: summarize(r) for name, r in runs.items()}
     summaries["reference"] = summarize(reference)
     console.print(render_table(summaries))
+    for line in abort_lines({**runs, "reference": reference}):
+        console.print(line, style="red", soft_wrap=True)
     if work.questions and args.show_answers > 0:
         console.print(render_answers(work, runs, reference, tokenizer, args.show_answers))
     code, line = check_identical(reference.outputs, {n: r.outputs for n, r in runs.items()})
@@ -411,6 +465,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     console.print("memsvc idle checks passed on every pool: no page leaked, no segment left")
     return code
+
+
+def keep_logs(workdir: Path, into: Path | None) -> Path:
+    """Copy each run's service logs from ``workdir`` to ``into`` (or a new temporary folder)."""
+    folder = into or Path(tempfile.mkdtemp(prefix="kvstack-demo-logs-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for log in sorted(workdir.glob("*/*.log")):
+        (folder / log.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(log, folder / log.parent.name / log.name)
+    return folder
 
 
 def _tokenizer(checkpoint: Path) -> Any:
@@ -453,7 +517,7 @@ def render_answers(
             marks.append(
                 f"{mode} {run.retractions.get(rid, 0)}x {'identical' if same else 'DIFFERS'}"
             )
-        cut = reference.finish_types.get(rid) == "length"
+        cut = reference.finish_reasons.get(rid, {}).get("type") == "length"
         answer = tokenizer.decode(reference.outputs[rid]).strip() + (" ..." if cut else "")
         lines.append(
             Text.assemble(
@@ -464,8 +528,9 @@ def render_answers(
     return Group(*lines)
 
 
-def execute(checkpoint: Path, reqs, console: Console, interval_s: float):
-    """The three runs, each on its own stack, stopped before the next starts."""
+def execute(checkpoint: Path, reqs, console: Console, interval_s: float, workdir: Path):
+    """The three runs, each on its own stack (in a folder of ``workdir``), stopped before
+    the next starts."""
     runs: dict[str, RunResult] = {}
     columns = (
         TextColumn("{task.description:<10}"),
@@ -475,14 +540,10 @@ def execute(checkpoint: Path, reqs, console: Console, interval_s: float):
         TimeElapsedColumn(),
     )
     leaked: list[str] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="kvstack-demo-") as tmp,
-        Progress(*columns, console=console) as progress,
-    ):
+    with Progress(*columns, console=console) as progress:
         for name, runner in (("normal", run_normal), ("PD", run_pd), ("reference", run_reference)):
-            workdir = Path(tmp) / name
-            workdir.mkdir()
-            launcher = Launcher(workdir)
+            (workdir / name).mkdir()
+            launcher = Launcher(workdir / name)
             with launcher:
                 runs[name] = runner(launcher, checkpoint, reqs, progress, interval_s)
             leaked += launcher.leaked_segments

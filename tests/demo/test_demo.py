@@ -19,6 +19,8 @@ from kvstack.demo import cli as demo
 from kvstack.demo import plots as demo_plots
 from kvstack.demo.workload import Workload, chat_workload, random_workload
 from kvstack.stack.launch import REPO
+from memsvc.core.backends.shm import list_segments, segment_owner_pid
+from tests.procs import kill_processes, processes_with, wait_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IDENTICAL = "token-identical to the no-pressure reference"
@@ -84,12 +86,39 @@ def test_demo_end_to_end(demo_run):
 def test_demo_leaves_no_process_or_folder_behind(demo_run):
     _, _, tmp = demo_run
     assert list(tmp.glob("kvstack-demo-*")) == []  # its work folder (sockets, logs) is gone
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # the process ended meanwhile
-            continue
-        assert str(tmp) not in text, f"a demo process is still running: {text}"
+    assert processes_with(str(tmp)) == {}, "a demo process is still running"
+
+
+def test_a_killed_demo_leaves_no_service_or_segment(tmp_path_factory, checkpoint) -> None:
+    """SIGKILL the demo mid-run (as pytest's timeout does): its services must follow it,
+    and memsvc must still unlink its shared memory."""
+    tmp = tmp_path_factory.mktemp("killed")  # in every service's command line, only there
+    plots = tmp_path_factory.mktemp("plots")
+    demo_args = ["--model", str(checkpoint), "--plots-dir", str(plots)]  # the tiny model
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstack.demo", *demo_args],
+        cwd=REPO,
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    services: dict[int, str] = {}
+    try:
+        # A whole stack up (its scheduler's ready file) is a run under way.
+        wait_for(lambda: list(tmp.glob("kvstack-demo-*/*/scheduler*.ready")), 180, "a stack")
+        services = processes_with(str(tmp))
+        segments = [s for s in list_segments() if segment_owner_pid(s) in services]
+        assert any("memsvc" in line for line in services.values()) and segments, services
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not processes_with(str(tmp)), 60, "the services to exit")
+        left = [s for s in list_segments() if segment_owner_pid(s) in services]
+        logs = "\n".join(f"== {log}\n{log.read_text()}" for log in tmp.glob("*/*/memsvc*.log"))
+        assert not left, f"shared memory left behind: {left}; {services}\n{logs}"
+    finally:
+        proc.kill()
+        proc.wait()
+        kill_processes([*services, *processes_with(str(tmp))])
 
 
 def test_demo_writes_every_plot(demo_run):
@@ -129,7 +158,10 @@ def fake_run(name: str, retracts: list[int], **stats: int) -> demo.RunResult:
     return demo.RunResult(
         name=name,
         outputs={"a": [1, 2], "b": [3]},
-        finish_types={"a": "length", "b": "abort"},
+        finish_reasons={
+            "a": {"type": "length", "length": 2},
+            "b": {"type": "abort", "message": "out of memory", "status_code": 503},
+        },
         latencies=[0.5, 1.5],
         seconds=2.0,
         stats={**base, "loaded_tokens": 0, **stats},
@@ -161,6 +193,65 @@ def test_plots_from_fake_runs(tmp_path):
     assert [p.name for p in written] == list(demo_plots.FILES)
     for path in written:
         assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+# -- what a run that goes wrong reports ------------------------------------------------
+
+
+def report(monkeypatch, checkpoint: Path, tmp_path: Path, *args: str, differ=False, fail=None):
+    """``kvstack demo ARGS`` on fake runs (every request "b" aborted); returns its exit
+    code (or raises ``fail``, from the runs) and its output."""
+    runs = {name: fake_run(name, [0, 1]) for name in ("normal", "PD", "reference")}
+    if differ:
+        runs["PD"].outputs = {"a": [1, 2], "b": [4]}
+
+    def execute(checkpoint, reqs, console, interval_s, workdir: Path):
+        (workdir / "PD").mkdir()
+        (workdir / "PD" / "memsvc-d-pd.log").write_text("memsvc-d listening\n")
+        if fail is not None:
+            raise fail
+        return runs, []
+
+    monkeypatch.setattr(demo, "execute", execute)
+    monkeypatch.setattr(demo.tempfile, "tempdir", str(tmp_path))  # where kept logs go
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stream:
+        monkeypatch.setattr(sys, "stdout", stream)
+        try:
+            code = demo.main(["--model", str(checkpoint), "--plots-dir", str(tmp_path), *args])
+        finally:
+            monkeypatch.undo()
+    return code, out.read_text()
+
+
+def kept_logs(out: str) -> Path:
+    (line,) = [line for line in out.splitlines() if line.startswith("service logs kept in ")]
+    folder = Path(line.removeprefix("service logs kept in "))
+    assert (folder / "PD" / "memsvc-d-pd.log").read_text() == "memsvc-d listening\n"
+    return folder
+
+
+def test_aborts_are_shown_with_their_message_and_status(monkeypatch, checkpoint, tmp_path):
+    code, out = report(monkeypatch, checkpoint, tmp_path)
+    assert code == 0, out
+    for mode in ("normal", "PD", "reference"):
+        assert f"{mode}: b aborted: out of memory (status 503)" in out
+    assert "service logs kept" not in out  # nothing failed, none asked for
+
+
+def test_keep_logs_copies_them_where_asked(monkeypatch, checkpoint, tmp_path):
+    code, out = report(monkeypatch, checkpoint, tmp_path, "--keep-logs", str(tmp_path / "logs"))
+    assert code == 0 and kept_logs(out) == tmp_path / "logs"
+
+
+def test_a_failed_demo_keeps_the_logs(monkeypatch, checkpoint, tmp_path):
+    code, out = report(monkeypatch, checkpoint, tmp_path, differ=True)
+    assert code == 1 and "FAIL: outputs differ" in out
+    assert kept_logs(out).name.startswith("kvstack-demo-logs-")
+    with pytest.raises(RuntimeError, match="model_svc exited"):
+        report(monkeypatch, checkpoint, tmp_path, fail=RuntimeError("model_svc exited"))
+    assert len(list(tmp_path.glob("kvstack-demo-logs-*/PD/memsvc-d-pd.log"))) == 2
+    assert list(tmp_path.glob("kvstack-demo-[!l]*")) == []  # the work folders went
 
 
 # -- the workloads and the answers -----------------------------------------------------
@@ -207,7 +298,7 @@ def test_answers_name_retractions_and_differences() -> None:
     )
     reference = fake_run("reference", [0])
     reference.outputs = {"long": list(b"yes"), "short-0": list(b"because")}
-    reference.finish_types = {"long": "stop", "short-0": "length"}
+    reference.finish_reasons = {"long": {"type": "stop"}, "short-0": {"type": "length"}}
     normal = fake_run("normal", [0, 1])
     normal.outputs, normal.retractions = dict(reference.outputs), {"short-0": 2}
     pd = fake_run("PD", [0])
