@@ -18,6 +18,8 @@ import argparse
 import importlib
 import sys
 
+from memsvc.lifeline import die_with_parent
+
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "demo": ("kvstack.demo.cli", "run the main job: normal and PD stacks under KV pressure"),
@@ -61,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # started by a launcher or a test that set KVSTACK_PARENT: end with it
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])

@@ -49,6 +49,7 @@ from kvstack.demo.workload import Request, Workload, chat_workload, random_workl
 from kvstack.stack.launch import Launcher
 from kvstack.stack.model_args import ModelArgsError, add_model_path_argument, resolve_model_path
 from memsvc.client import MemClient
+from memsvc.lifeline import die_with_parent
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient
 
 PAGE_SIZE = 4
@@ -402,6 +403,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # started by a test that set KVSTACK_PARENT: end with it
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -20,6 +20,7 @@ from kvstack.demo import plots as demo_plots
 from kvstack.demo.workload import Workload, chat_workload, random_workload
 from kvstack.stack.launch import REPO
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
+from memsvc.lifeline import child_env
 from tests.procs import kill_processes, processes_with, wait_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,7 +44,7 @@ def run_demo(tmp_path_factory, *args: str, env: dict[str, str] | None = None, ti
     proc = subprocess.run(
         [sys.executable, "-m", "kvstack.demo", *args, "--plots-dir", str(plots)],
         cwd=REPO,
-        env={**os.environ, "COLUMNS": "120", "TMPDIR": str(tmp), **(env or {})},
+        env={**os.environ, **child_env(), "COLUMNS": "120", "TMPDIR": str(tmp), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvstack.stack.launch import REPO, Launcher
+from memsvc.lifeline import child_env
 from tests.fuzz.http_gen import HttpMessages, HttpRequest
 from tests.fuzz.scheduler_gen import LEGIT_PROMPT
 from tests.fuzz.targets import SchedulerTarget
@@ -72,7 +74,13 @@ class HttpTarget:
         command += [self.stack.address, "--port", "0", "--ready-file", str(ready)]
         command += ["--log-level", "WARNING"]
         with open(workdir / "serve-fuzz.log", "ab") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+            self.proc = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, **child_env()},
+            )
         deadline = time.monotonic() + 60
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -33,6 +33,7 @@ from kvstack.serve.api import StreamText, merge_metrics, parse_metrics
 from kvstack.serve.cli import ServeError, start_stack
 from kvstack.up.cli import pid_alive
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
+from memsvc.lifeline import child_env
 from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult
@@ -83,7 +84,7 @@ def start_front(workdir: Path, name: str, *args: str, timeout: float = 120) -> F
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, **child_env(), "PYTHONPATH": str(REPO)},
         )
     deadline = time.monotonic() + timeout
     while not ready.exists():

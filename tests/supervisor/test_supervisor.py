@@ -28,6 +28,7 @@ from kvstack.stack.spec import (
 from kvstack.up.cli import pid_alive
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
+from memsvc.lifeline import child_env
 from scheduler_svc.client import GenerateClient
 from tests.procs import REPO, processes_with, wait_for
 
@@ -77,7 +78,7 @@ class UpProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
-                env=ENV,
+                env={**ENV, **child_env()},
             )
 
     def state(self) -> dict:
