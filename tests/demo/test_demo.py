@@ -23,6 +23,10 @@ from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from memsvc.lifeline import child_env
 from tests.procs import kill_processes, processes_with, wait_for
 
+# The module's first test starts the real demo (1.5-3 min on two cores, more under load):
+# pytest's 300 s default would kill it before its own 600 s deadline.
+pytestmark = pytest.mark.timeout(900)
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 IDENTICAL = "token-identical to the no-pressure reference"
 
