@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,11 +14,13 @@ from pathlib import Path
 import pytest
 
 from kvstack.stack.launch import REPO, Launcher, Service, remove_segments, start_service
+from memsvc.core.backends.shm import list_segments, segment_owner_pid
 
 __all__ = [
     "REPO",
     "SMALL_POOL",
     "Stack",
+    "kill_parent_of_stack",
     "kill_processes",
     "processes_with",
     "start_memsvc",
@@ -143,3 +146,19 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
                 return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def kill_parent_of_stack(parent: subprocess.Popen, marker: Path, timeout: float) -> None:
+    """SIGKILL ``parent``, which started a stack whose every process has ``marker`` (a
+    unique folder) in its command line: they must all exit within ``timeout`` seconds,
+    and memsvc must still unlink its shared memory. (A ``finally`` reaps what is left
+    with ``kill_processes(processes_with(str(marker)))``.)"""
+    stack = processes_with(str(marker))
+    segments = [s for s in list_segments() if segment_owner_pid(s) in stack]
+    assert any("memsvc" in line for line in stack.values()) and segments, stack
+    parent.kill()
+    parent.wait()
+    wait_for(lambda: not processes_with(str(marker)), timeout, "the stack to exit with its parent")
+    left = [s for s in list_segments() if segment_owner_pid(s) in stack]
+    logs = "\n".join(f"== {log}\n{log.read_text()}" for log in marker.glob("**/memsvc*.log"))
+    assert not left, f"shared memory left behind: {left}; {stack}\n{logs}"

@@ -19,9 +19,8 @@ from kvstack.demo import cli as demo
 from kvstack.demo import plots as demo_plots
 from kvstack.demo.workload import Workload, chat_workload, random_workload
 from kvstack.stack.launch import REPO
-from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from memsvc.lifeline import child_env
-from tests.procs import kill_processes, processes_with, wait_for
+from tests.procs import kill_parent_of_stack, kill_processes, processes_with, wait_for
 
 # The module's first test starts the real demo (1.5-3 min on two cores, more under load):
 # pytest's 300 s default would kill it before its own 600 s deadline.
@@ -107,23 +106,14 @@ def test_a_killed_demo_leaves_no_service_or_segment(tmp_path_factory, checkpoint
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    services: dict[int, str] = {}
     try:
         # A whole stack up (its scheduler's ready file) is a run under way.
         wait_for(lambda: list(tmp.glob("kvstack-demo-*/*/scheduler*.ready")), 180, "a stack")
-        services = processes_with(str(tmp))
-        segments = [s for s in list_segments() if segment_owner_pid(s) in services]
-        assert any("memsvc" in line for line in services.values()) and segments, services
-        proc.kill()
-        proc.wait()
-        wait_for(lambda: not processes_with(str(tmp)), 60, "the services to exit")
-        left = [s for s in list_segments() if segment_owner_pid(s) in services]
-        logs = "\n".join(f"== {log}\n{log.read_text()}" for log in tmp.glob("*/*/memsvc*.log"))
-        assert not left, f"shared memory left behind: {left}; {services}\n{logs}"
+        kill_parent_of_stack(proc, tmp, 60)
     finally:
         proc.kill()
         proc.wait()
-        kill_processes([*services, *processes_with(str(tmp))])
+        kill_processes(list(processes_with(str(tmp))))
 
 
 def test_demo_writes_every_plot(demo_run):

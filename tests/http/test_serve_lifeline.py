@@ -7,8 +7,7 @@ import os
 import subprocess
 import sys
 
-from memsvc.core.backends.shm import list_segments, segment_owner_pid
-from tests.procs import REPO, kill_processes, processes_with, wait_for
+from tests.procs import REPO, kill_parent_of_stack, kill_processes, processes_with, wait_for
 
 # The parent: starts serve as the test fixtures do (memsvc.lifeline.child_env), then waits.
 PARENT = """
@@ -33,18 +32,10 @@ def test_a_serve_whose_parent_is_killed_stops_its_stack(tmp_path_factory, checkp
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)},
     )
-    seen: dict[int, str] = {}
     try:
         wait_for(ready.exists, 300, "kvstack serve to be ready")
-        seen = processes_with(str(tmp))
-        segments = [s for s in list_segments() if segment_owner_pid(s) in seen]
-        assert any("memsvc" in line for line in seen.values()) and segments, seen
-        parent.kill()
-        parent.wait()
-        wait_for(lambda: not processes_with(str(tmp)), 90, "serve and its services to exit")
-        left = [s for s in list_segments() if segment_owner_pid(s) in seen]
-        assert not left, f"shared memory left behind: {left}"
+        kill_parent_of_stack(parent, tmp, 90)
     finally:
         parent.kill()
         parent.wait()
-        kill_processes([*seen, *processes_with(str(tmp))])
+        kill_processes(list(processes_with(str(tmp))))
