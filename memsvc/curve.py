@@ -26,6 +26,12 @@ its rooms to.
     DIR/client.key          the clients' public certificate
     DIR/client.key_secret   the certificate every connecting socket presents
     DIR/clients/client.key  the accepted client keys (--curve-clients; add more here)
+
+A key folder is trusted only if no other user could have written it: the
+folder, ``clients/``, the four key files and every file in ``clients/`` must
+be owned by the running user and writable by neither group nor others
+(:func:`check_private`); otherwise another user could plant a client key, or
+a server key pair of their own.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +225,22 @@ def peer_key(frame: zmq.Frame) -> str | None:
 # -- one stack's keys ------------------------------------------------------------------------
 
 
+def check_private(path: Path) -> None:
+    """Refuse ``path`` (a key file or folder) if another user could have written it."""
+    info = path.stat()  # follows a link: what counts is the file the keys are read from
+    uid = os.geteuid()
+    if info.st_uid != uid:
+        why = f"is owned by uid {info.st_uid}, not by this user (uid {uid})"
+    elif info.st_mode & 0o022:
+        why = f"is group- or world-writable (mode {stat.S_IMODE(info.st_mode):o})"
+    else:
+        return
+    raise InvalidArgumentError(
+        f"CURVE key folder: {path} {why}; refusing to trust keys another user could have "
+        "written (the folder, clients/ and every key file must be yours, chmod go-w)"
+    )
+
+
 @dataclass(frozen=True)
 class KeyFolder:
     """One stack's CURVE keys in one folder (the layout in the module docstring)."""
@@ -251,6 +274,8 @@ class KeyFolder:
     def ensure(cls, path: str | os.PathLike) -> KeyFolder:
         """The keys in ``path``, created there first if it holds none."""
         folder = cls(Path(path).resolve())
+        if folder.path.exists():
+            check_private(folder.path)  # before writing keys into it
         if not any(f.exists() for f in folder._files()):
             folder._create()
         return folder.check()
@@ -261,13 +286,16 @@ class KeyFolder:
         return cls(Path(path).resolve()).check()
 
     def check(self) -> KeyFolder:
-        """Every file there and readable (an InvalidArgumentError says what is not)."""
+        """Every file there, readable and only ours (an InvalidArgumentError says what is not)."""
         missing = [f.name for f in (*self._files(), self.clients) if not f.exists()]
         if missing:
             raise InvalidArgumentError(
                 f"CURVE key folder {self.path} lacks {', '.join(missing)} (remove the folder's "
                 "key files to have new ones created, or complete it)"
             )
+        accepted = sorted(self.clients.iterdir()) if self.clients.is_dir() else []
+        for path in (self.path, self.clients, *self._files(), *accepted):
+            check_private(path)
         self.server_keys()
         self.client_keys()
         return self
@@ -280,7 +308,8 @@ class KeyFolder:
         staging = Path(tempfile.mkdtemp(prefix=".new-keys-", dir=self.path))
         try:
             for name in ("server", "client"):
-                _, secret = zmq.auth.create_certificates(staging, name)
+                public, secret = zmq.auth.create_certificates(staging, name)
+                os.chmod(public, 0o644)  # not group-writable under umask 002 (check_private)
                 os.chmod(secret, 0o600)
             self.clients.mkdir(mode=0o700, exist_ok=True)
             shutil.copy(staging / "client.key", self.clients / "client.key")

@@ -313,7 +313,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="CURVE on every ZMQ socket, with the keys in DIR (README: Security): the stack "
         "started serves and connects with them (created in DIR if it holds none); with "
-        "--scheduler, the front connects with DIR's client keys",
+        "--scheduler, the front connects with DIR's client keys; refused (exit 2) if DIR, "
+        "clients/ or a key file is another user's or group- or world-writable",
     )
     add_ready_timeout(stack)
     model = add_model_arguments(

@@ -95,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="CURVE on every socket of the stack (the PD transfer socket too), with the keys "
-        "in DIR: created there (zmq.auth certificates, private) if DIR holds none "
-        "(README: Security)",
+        "in DIR: created there (zmq.auth certificates, private) if DIR holds none; "
+        "refused (exit 2) if DIR, clients/ or a key file is another user's or group- or "
+        "world-writable (README: Security)",
     )
     add_service_flags(parser)
     extra = parser.add_argument_group(

@@ -40,7 +40,7 @@ def inspect(run_dir: Path, timeout_s: float) -> dict[str, Any]:
     """
     state = json.loads((run_dir / STATE_FILE).read_text())
     curve_dir = state.get("curve_dir")
-    curve = KeyFolder(Path(curve_dir)).client_keys() if curve_dir else None
+    curve = KeyFolder.existing(curve_dir).client_keys() if curve_dir else None
     supervisor_pid = state.get("supervisor_pid")
     state["supervisor_alive"] = bool(supervisor_pid) and pid_alive(supervisor_pid)
     for proc in state["processes"]:
