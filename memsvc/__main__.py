@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--transfer-backend",
         choices=["auto", "nixl", "zmq"],
         default="auto",
-        help="nixl: NIXL/UCX writes straight into the peer's pool; zmq: raw bytes frames; "
+        help="nixl: NIXL/UCX writes straight into the peer's pool (UCX on the loopback "
+        "device only, unless --allow-remote); zmq: raw bytes frames; "
         "auto: nixl if the nixl-cu12 wheel is installed, else zmq",
     )
     pd.add_argument(
@@ -187,7 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address the metrics server binds (non-loopback needs --allow-remote)",
     )
-    add_service_args(net, ready_fields="address, epoch, pid, metrics_port")
+    add_service_args(
+        net,
+        ready_fields="address, epoch, pid, metrics_port",
+        also_remote=" (and --transfer-listen, --metrics-host); without it the nixl transfer "
+        "backend's UCX uses the loopback network device only (UCX_NET_DEVICES=lo), so "
+        "memsvc-P and memsvc-D must share a host",
+    )
     add_curve_arguments(
         parser,
         connects_to="the decode node's transfer listener (--pd-role prefill); the listener "
@@ -276,6 +283,7 @@ def make_transfer_agent(
         peer=args.transfer_peer,
         peer_timeout_s=args.transfer_timeout,
         curve=curve,
+        allow_remote=args.allow_remote,
     )
     log.info("PD %s role, %s transfer backend", args.pd_role, backend)
     return agent

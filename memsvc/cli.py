@@ -17,8 +17,11 @@ DEFAULT_PAGE_SIZE = 16  # tokens per KV page
 DEFAULT_NUM_PAGES = 1024  # usable pages: 16384 tokens at the default page size
 
 
-def add_service_args(parser: Any, *, ready_fields: str) -> None:
-    """``--listen``, ``--allow-remote``, ``--ready-file`` and ``--log-level``."""
+def add_service_args(parser: Any, *, ready_fields: str, also_remote: str = "") -> None:
+    """``--listen``, ``--allow-remote``, ``--ready-file`` and ``--log-level``.
+
+    ``also_remote``: what else of this service ``--allow-remote`` opens up.
+    """
     parser.add_argument(
         "--listen",
         default=None,
@@ -28,7 +31,7 @@ def add_service_args(parser: Any, *, ready_fields: str) -> None:
     parser.add_argument(
         "--allow-remote",
         action="store_true",
-        help="allow a non-loopback --listen address",
+        help="allow a non-loopback --listen address" + also_remote,
     )
     parser.add_argument(
         "--ready-file",

@@ -10,6 +10,8 @@ The rooms and the protocol around them are :mod:`memsvc.transfer`'s.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -21,7 +23,29 @@ from memsvc.core.pool import KVPool
 if TYPE_CHECKING:
     from memsvc.transfer import Room
 
+log = logging.getLogger("memsvc.transfer")
+
 CHUNK_PAGES = 64  # pages per zmq data frame
+# UCX listens on TCP on every network device it may use, whatever address kvstack
+# binds; this confines it to the loopback device unless memsvc has --allow-remote.
+UCX_DEVICES_ENV, UCX_LOOPBACK = "UCX_NET_DEVICES", "lo"
+
+
+def confine_ucx_to_loopback() -> None:
+    """Make UCX (read when NIXL creates its UCX backend) use the loopback device only.
+
+    Shared-memory and CUDA transports are not network devices: pages still move
+    GPU to GPU or through shared memory between memsvc on one host.
+    """
+    given = os.environ.get(UCX_DEVICES_ENV)
+    if given not in (None, "", UCX_LOOPBACK):
+        log.warning(
+            "%s=%s replaced by %s: UCX may use other network devices only with --allow-remote",
+            UCX_DEVICES_ENV,
+            given,
+            UCX_LOOPBACK,
+        )
+    os.environ[UCX_DEVICES_ENV] = UCX_LOOPBACK
 
 
 def pack_frames(header: dict[str, Any], payload: bytes | memoryview | None = None) -> list:
@@ -42,7 +66,7 @@ class NixlMover:
 
     name = "nixl"
 
-    def __init__(self, pool: KVPool, agent_name: str) -> None:
+    def __init__(self, pool: KVPool, agent_name: str, *, allow_remote: bool = False) -> None:
         try:
             from nixl_cu12 import nixl_agent, nixl_agent_config
         except ImportError as exc:
@@ -50,6 +74,8 @@ class NixlMover:
                 "--transfer-backend nixl needs the nixl-cu12 wheel "
                 "(pip install 'kvstack[nixl]'), or use --transfer-backend zmq"
             ) from exc
+        if not allow_remote:
+            confine_ucx_to_loopback()
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
         kv = pool.buffers.kv
         if isinstance(kv, np.ndarray):

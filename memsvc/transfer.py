@@ -153,6 +153,7 @@ class TransferAgent:
         peer_timeout_s: float = 5.0,
         bootstrap_timeout_s: float | None = None,
         curve: CurveKeys | None = None,
+        allow_remote: bool = False,
     ) -> None:
         if role == "decode" and not listen:
             raise InvalidArgumentError("a decode-role memsvc needs --transfer-listen")
@@ -171,7 +172,9 @@ class TransferAgent:
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.page_size = pool.page_size
         self.mover = (
-            NixlMover(pool, f"kvstack-{role}-{epoch}") if backend == "nixl" else ZmqMover(pool)
+            NixlMover(pool, f"kvstack-{role}-{epoch}", allow_remote=allow_remote)
+            if backend == "nixl"
+            else ZmqMover(pool)
         )
         self.rooms: dict[int, Room] = {}
         # The prefill side hears only its configured peer (whose "ready" carries NIXL metadata).
