@@ -26,6 +26,7 @@ from memsvc.server import (
     default_listen_address,
     metrics_host,
 )
+from memsvc.sessions import REPLY_CACHE_SIZE
 from memsvc.transfer import TransferAgent
 
 log = logging.getLogger("memsvc")
@@ -164,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=ServiceConfig.max_sessions,
         help="sessions open at once; one more hello gets too_many_sessions",
+    )
+    net.add_argument(
+        "--reply-cache-bytes",
+        type=int,
+        default=ServiceConfig.reply_cache_bytes,
+        help="bytes of replies each session keeps to answer a retried op (and at most "
+        f"{REPLY_CACHE_SIZE} replies); the oldest go first, the newest is always kept",
     )
     net.add_argument(
         "--max-lease",
@@ -341,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_message_bytes=args.max_message_bytes,
                 max_sessions=args.max_sessions,
                 max_lease_s=args.max_lease,
+                reply_cache_bytes=args.reply_cache_bytes,
             ),
             metrics,
         )

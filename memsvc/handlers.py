@@ -22,7 +22,13 @@ from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.metrics import Metrics
-from memsvc.sessions import NotOwnerError, Session, SessionTable, TooManySessionsError
+from memsvc.sessions import (
+    REPLY_CACHE_BYTES,
+    NotOwnerError,
+    Session,
+    SessionTable,
+    TooManySessionsError,
+)
 from memsvc.transfer import TransferAgent
 
 log = logging.getLogger("memsvc")
@@ -38,6 +44,7 @@ class ServiceConfig:
     # until the old leases run out): these bound what hellos alone can make memsvc keep.
     max_sessions: int = 256
     max_lease_s: float = 600.0
+    reply_cache_bytes: int = REPLY_CACHE_BYTES  # per session, for retried ops
 
 
 class MemService:
@@ -46,7 +53,7 @@ class MemService:
         self.config = config
         self.metrics = metrics or Metrics(None)
         self.epoch = secrets.token_hex(8)
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(config.reply_cache_bytes)
         self._row_session = np.zeros(pool.table.num_rows, dtype=np.int64)
         self._handlers: dict[str, Callable[[Session, Any], Reply]] = {
             "heartbeat": self._heartbeat,

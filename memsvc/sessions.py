@@ -5,19 +5,23 @@ renews the lease. A session that stays silent past its lease is expired and
 the service reclaims everything it held. Each request id belongs to the
 session that opened it, for as long as the request holds a row or a
 host-store entry. Replies to mutating ops are remembered per session by
-``op_id`` (a bounded window), so a retried op is answered, not redone; an op_id
-reused for a different message is refused.
+``op_id`` (a window bounded in count and in bytes, :class:`ReplyCache`), so a
+retried op is answered, not redone; an op_id reused for a different message is
+refused.
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from memsvc.core.errors import MemsvcError
+from memsvc.reply_cache import ReplyCache
 
+# Each session's window of replies: at most this many, and at most this many bytes
+# (the newest always kept). memsvc --reply-cache-bytes sets the second.
 REPLY_CACHE_SIZE = 4096
+REPLY_CACHE_BYTES = 16 << 20
 
 
 class UnknownSessionError(MemsvcError):
@@ -57,7 +61,9 @@ class Session:
     lease_s: float
     last_seen: float
     rids: set[str] = field(default_factory=set)
-    replies: OrderedDict[int, tuple[Digest, list[bytes]]] = field(default_factory=OrderedDict)
+    replies: ReplyCache[int, tuple[Digest, list[bytes]]] = field(
+        default_factory=lambda: ReplyCache(REPLY_CACHE_SIZE, REPLY_CACHE_BYTES)
+    )
     checked_rows: tuple[bytes, int] | None = None  # last row batch that passed, and when
 
     def expired(self, now: float) -> bool:
@@ -65,7 +71,8 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self) -> None:
+    def __init__(self, reply_cache_bytes: int = REPLY_CACHE_BYTES) -> None:
+        self.reply_cache_bytes = reply_cache_bytes  # per session
         self._sessions: dict[str, Session] = {}
         self._owner_of: dict[str, Session] = {}
         self._next_num = 1
@@ -77,7 +84,9 @@ class SessionTable:
         return list(self._sessions.values())
 
     def open(self, role: str, lease_s: float, name: str, now: float) -> Session:
-        session = Session(secrets.token_hex(8), self._next_num, role, name, lease_s, now)
+        replies = ReplyCache(REPLY_CACHE_SIZE, self.reply_cache_bytes)
+        num = self._next_num
+        session = Session(secrets.token_hex(8), num, role, name, lease_s, now, replies=replies)
         self._next_num += 1
         self._sessions[session.sid] = session
         return session
@@ -142,6 +151,4 @@ class SessionTable:
 
     @staticmethod
     def remember_reply(session: Session, op_id: int, digest: Digest, reply: list[bytes]) -> None:
-        session.replies[op_id] = (digest, reply)
-        if len(session.replies) > REPLY_CACHE_SIZE:
-            session.replies.popitem(last=False)
+        session.replies.put(op_id, (digest, reply), sum(map(len, reply)))

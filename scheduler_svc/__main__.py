@@ -17,6 +17,7 @@ from memsvc.lifeline import die_with_parent
 from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from scheduler_svc.core import ConfigError, SchedulerConfig
 from scheduler_svc.core.config import RETRACTION_POLICIES
+from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 
 log = logging.getLogger("scheduler_svc")
 
@@ -133,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model_name label of the sglang:* metrics (default: --checkpoint, or "
         "'default' without one)",
+    )
+    parser.add_argument(
+        "--result-cache-bytes",
+        type=int,
+        default=RESULT_CACHE_BYTES,
+        help="bytes of finished results (as msgpack) kept to answer a re-submitted rid, and "
+        f"at most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is always kept",
     )
     parser.add_argument(
         "--metrics-port",
@@ -288,6 +296,7 @@ async def serve(args: argparse.Namespace, listen: str, curve: CurveKeys) -> int:
                 "checkpoint": str(Path(args.checkpoint).resolve()) if args.checkpoint else None,
                 "served_model_name": args.served_model_name,
             },
+            result_cache_bytes=args.result_cache_bytes,
         )
         await service.run()
         return 0

@@ -25,7 +25,10 @@ A rid belongs to the ``client`` that submitted it: a random id the client
 makes once (:class:`scheduler_svc.client.GenerateClient` does) and sends with
 every ``generate`` and ``abort``, also after it reconnects. Only that client
 may re-submit a live rid (taking over its replies) or abort it; anyone who
-does not know the id cannot guess it.
+does not know the id cannot guess it. A rid that finished recently is answered
+from the scheduler's cache of results (the same submission only), which keeps
+at most :data:`RESULT_CACHE_SIZE` results and :data:`RESULT_CACHE_BYTES` bytes
+of them (``--result-cache-bytes``), the oldest forgotten first.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
+# Finished results kept to answer a re-submitted rid: at most this many, holding at most
+# this many bytes as msgpack (the newest is always kept).
+RESULT_CACHE_SIZE = 1024
+RESULT_CACHE_BYTES = 64 << 20
 # SGLang's answer (400) to a prompt with no tokens: nothing to prefill, nothing to sample from
 EMPTY_PROMPT = "Prompt cannot be empty"
 # What a message to the scheduler (or the router) may hold: the largest generate is

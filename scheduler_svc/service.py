@@ -33,7 +33,6 @@ import hashlib
 import logging
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +45,7 @@ from memsvc.client import PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveServerKeys, secure_server
 from memsvc.limits import recv_bounded_async
+from memsvc.reply_cache import ReplyCache
 from memsvc.server import remove_endpoint, serve_tasks
 from model_svc.errors import ModelSvcError
 from scheduler_svc import protocol as p
@@ -60,13 +60,13 @@ from scheduler_svc.core import (
     clamp_max_new_tokens,
 )
 from scheduler_svc.engine import Engine
+from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
 from scheduler_svc.stall import StallWatch
 
 log = logging.getLogger("scheduler_svc")
 
 IDLE_WAIT_S = 0.5
-FINISHED_CACHE_SIZE = 1024  # results kept to answer a re-submitted rid
 
 
 @dataclass
@@ -101,6 +101,7 @@ class SchedulerService:
         mode: str = "normal",
         curve: CurveServerKeys | None = None,
         model_info: dict[str, Any] | None = None,
+        result_cache_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         # What it serves, for a front that was not told: the checkpoint whose tokenizer
@@ -118,8 +119,12 @@ class SchedulerService:
         self.vocab_size = vocab_size
         self.ready_file = ready_file
         self._waiters: dict[str, Waiter] = {}
-        # rid -> (client, fingerprint, done reply without op_id), most recent last
-        self._finished: OrderedDict[str, tuple[str, str, dict[str, Any]]] = OrderedDict()
+        # rid -> (client, fingerprint, the done reply's header as sent): packed, for a
+        # result's Python lists (prompt logprobs) are several times its msgpack bytes
+        self._finished: ReplyCache[str, tuple[str, str, bytes]] = ReplyCache(
+            RESULT_CACHE_SIZE,
+            RESULT_CACHE_BYTES if result_cache_bytes is None else result_cache_bytes,
+        )
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -273,7 +278,7 @@ class SchedulerService:
             return self._attach(identity, msg, self._waiters[msg.rid], fingerprint)
         cached = self._finished.get(msg.rid)
         if cached is not None and cached[:2] == (msg.client, fingerprint):
-            return wire.pack({**cached[2], "op_id": msg.op_id})
+            return wire.pack({**wire.unpack([cached[2]]), "op_id": msg.op_id})
         refused = self._refusal(input_ids, msg)
         if refused is not None:
             return _error(msg.op_id, *refused)
@@ -472,11 +477,9 @@ class SchedulerService:
             "text": self._text(req) if num_out else "",
             "meta_info": {**meta, **_logprob_meta(req, 0, num_out, inputs=True)},
         }
-        self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
-        self._finished[req.rid] = (waiter.client, waiter.fingerprint, dict(header))
-        self._finished.move_to_end(req.rid)
-        while len(self._finished) > FINISHED_CACHE_SIZE:
-            self._finished.popitem(last=False)
+        (packed,) = wire.pack(header)
+        self._outbox.put_nowait([waiter.identity, packed])
+        self._finished.put(req.rid, (waiter.client, waiter.fingerprint, packed), len(packed))
 
     async def _fail_everything(self, why: str) -> None:
         """A peer failed mid-step: end every live request with an explicit error."""
