@@ -84,8 +84,12 @@ class NixlMover:
             self.base, self.mem = int(kv.data.ptr), "VRAM"
             self.device = int(pool.buffers.device)
         self.page_bytes = pool.buffers.layout.bytes_per_page
-        self.agent.register_memory([(self.base, kv.nbytes, self.device, "")], self.mem)
+        self._registered = self.agent.register_memory(
+            [(self.base, kv.nbytes, self.device, "")], self.mem
+        )
         self._remotes: dict[str, str] = {}
+        # Rooms whose transfer handle is live (each handle holds the agent too).
+        self._in_flight: dict[int, Room] = {}
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -113,20 +117,43 @@ class NixlMover:
             dest.get("mem", "DRAM"),
         )
         room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
+        self._in_flight[room.room] = room
         if self.agent.transfer(room.handle) == "ERR":
+            self._release(room)
             raise RuntimeError("NIXL refused to post the transfer")
 
     def poll(self, room: Room) -> str:
         state = self.agent.check_xfer_state(room.handle)
         if state != "PROC":
-            self.agent.release_xfer_handle(room.handle)
-            room.handle = None
+            self._release(room)
         return state
 
+    def _release(self, room: Room) -> None:
+        self._in_flight.pop(room.room, None)
+        handle, room.handle = room.handle, None
+        self.agent.release_xfer_handle(handle)
+
     def close(self) -> None:
+        """Release the agent now, while the pool is still mapped and every library loaded.
+
+        Left to the interpreter's exit, NIXL's progress thread and UCX's teardown
+        ran after the exit handlers of the libraries under them (memsvc died of
+        SIGSEGV in libnl-route after "memsvc stopped"). Best effort: nothing here
+        may keep memsvc from unlinking its pool.
+        """
+        if self.agent is None:
+            return
+        for room in list(self._in_flight.values()):
+            with contextlib.suppress(Exception):  # cancels a transfer still in flight
+                self._release(room)
         for name in self._remotes.values():
-            with contextlib.suppress(Exception):  # best effort on the way out
+            with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(name)
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(self._registered)
+        self._in_flight.clear()
+        self._remotes.clear()
+        self.agent = None  # the last reference: NIXL destroys the agent and its threads
 
 
 class ZmqMover:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import msgpack
@@ -12,9 +14,9 @@ import zmq
 from memsvc.client import MemClient
 from memsvc.core.backends import attach
 from memsvc.core.errors import InvalidArgumentError
-from memsvc.movers import CHUNK_PAGES, pack_frames
+from memsvc.movers import CHUNK_PAGES, NixlMover, pack_frames
 from memsvc.sessions import NotOwnerError
-from memsvc.transfer import KVPoll, TransferAgent
+from memsvc.transfer import KVPoll, Room, TransferAgent
 from tests.helpers import small_layout
 
 BACKENDS = ["zmq", "nixl"]
@@ -199,3 +201,51 @@ def test_the_transfer_listener_bounds_each_message(tmp_path, make_pool) -> None:
     finally:
         agent.close()
         ctx.term()
+
+
+# -- teardown (issue 26, item 12) ------------------------------------------------------------
+
+
+def threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def test_closing_the_nixl_mover_releases_nixl_with_a_transfer_in_flight(
+    make_pool, monkeypatch
+) -> None:
+    """memsvc closes its mover before it unmaps the pool and exits: NIXL's agent (its
+    progress thread, UCX's async thread) must be gone by then, not left to the
+    interpreter's exit, where UCX's teardown ran after its libraries' (SIGSEGV)."""
+    pytest.importorskip("nixl_cu12", reason="the nixl transfer backend needs the nixl-cu12 wheel")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # what the movers set, undone after the test
+    layout = small_layout(page_size=4, num_pages=16, max_running_requests=4)
+    source, dest = make_pool(layout), make_pool(layout)
+    before = threads()
+    sender, receiver = NixlMover(source, "sender"), NixlMover(dest, "receiver")
+    assert threads() - before, "NIXL runs threads of its own"
+    pages = np.arange(1, 5)
+    room = Room(1, "r", pages, 16, KVPoll.TRANSFERRING, created=time.monotonic())
+    sender.start(room, receiver.describe(), pages, peer=None)  # never polled to its end
+    sender.close()
+    receiver.close()
+    assert not threads() - before, "NIXL's threads outlived the movers' close"
+    source.check_integrity(idle=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_after_a_transfer_exits_zero_and_unlinks_the_pools(
+    memsvc_factory, tmp_path, backend
+):
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, backend)
+    with MemClient(prefill.address) as p, MemClient(decode.address) as d:
+        d.alloc_row("r")
+        d.alloc_extend([("r", 8)])
+        p.alloc_row("r")
+        p.alloc_extend([("r", 8)])
+        p.pd_send("r", 3, 8, first_token=1)
+        d.pd_expect("r", 3)
+        assert wait_state(d, 3)["state"] == KVPoll.SUCCESS
+    for service in (prefill, decode):
+        assert service.stop(signal.SIGTERM) == 0, service.log()[-2000:]
+        assert service.leaked_segments == [], service.name
+        assert "memsvc stopped" in service.log()
