@@ -46,6 +46,7 @@ import zmq.asyncio
 
 from memsvc import protocol as wire
 from memsvc import rpc
+from memsvc.cli import write_private_file
 from memsvc.client import AsyncMemClient, EpochChangedError, PeerDeadError, RequestRejectedError
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveClientKeys
@@ -231,9 +232,8 @@ class Recovery:
     def _record_session(self) -> None:
         if self.session_file is None or self.engine.mem.session is None:
             return
-        tmp = self.session_file.with_name(self.session_file.name + ".tmp")
-        tmp.write_text(self.engine.mem.session)
-        os.replace(tmp, self.session_file)
+        # The session id lets its holder end this scheduler's memsvc session: ours alone.
+        write_private_file(self.session_file, self.engine.mem.session)
 
     # -- after a failed step ---------------------------------------------------
 

@@ -37,7 +37,7 @@ from kvstack.stack.service_flags import (
 )
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
-from memsvc.cli import LOG_FORMAT
+from memsvc.cli import LOG_FORMAT, make_private_dirs, open_private_log
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.curve import KeyFolder
 
@@ -53,8 +53,7 @@ def prepare_run_dir(path: str | None) -> Path:
     """The run directory: a fresh one, or ``path`` if no live supervisor uses it."""
     if path is None:
         return default_run_dir()
-    run_dir = Path(path).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_private_dirs(Path(path).resolve())
     with contextlib.suppress(OSError, ValueError):
         state = json.loads((run_dir / STATE_FILE).read_text())
         pid = state.get("supervisor_pid")
@@ -84,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--run-dir",
         default=None,
-        help="where sockets, logs and state.json go (default: a fresh folder under "
-        "$XDG_RUNTIME_DIR or /tmp)",
+        help="where sockets, logs and state.json go (created 0700 if missing; default: a "
+        "fresh folder under $XDG_RUNTIME_DIR or /tmp); state.json, the logs and the "
+        "session files are 0600",
     )
     model = add_model_arguments(parser, default_model=TINY)
     add_model_flags(model)
@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     except StackUnavailableError as exc:
         print(f"kvstack up: error: {exc}", file=sys.stderr)
         return 2
+    open_private_log(run_dir / "supervisor.log").close()  # created 0600 if new
     handler = logging.FileHandler(run_dir / "supervisor.log")
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.getLogger().addHandler(handler)

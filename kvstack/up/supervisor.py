@@ -36,6 +36,7 @@ from typing import Any
 from kvstack.stack.launch import REPO, exit_status, log_tail, remove_segments, service_env
 from kvstack.stack.spec import ProcessSpec
 from kvstack.up.health import check
+from memsvc.cli import make_private_dirs, open_private_log, write_private_file
 from memsvc.curve import KeyFolder
 
 log = logging.getLogger("kvstack.supervisor")
@@ -185,7 +186,7 @@ class Supervisor:
         one fails to come up within the policy's ready timeout, or when
         ``stop`` is set meanwhile.
         """
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.run_dir)
         self.status = "starting"
         try:
             for managed in self.procs:
@@ -226,7 +227,7 @@ class Supervisor:
     def _spawn(self, managed: Managed) -> None:
         spec = managed.spec
         spec.ready_file.unlink(missing_ok=True)
-        with open(spec.log_file, "ab") as log_file:
+        with open_private_log(spec.log_file) as log_file:
             managed.proc = subprocess.Popen(
                 spec.command,
                 stdout=log_file,
@@ -402,8 +403,5 @@ class Supervisor:
         managed.healthy, managed.health = None, "stopped"
 
     def write_state(self) -> None:
-        path = self.run_dir / STATE_FILE
-        tmp = path.with_name(STATE_FILE + ".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps(self.state(), indent=1))
-            os.replace(tmp, path)
+            write_private_file(self.run_dir / STATE_FILE, json.dumps(self.state(), indent=1))

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from kvstack.stack.spec import (
     StackUnavailableError,
     build_process_list,
 )
-from kvstack.up.cli import pid_alive
+from kvstack.up.cli import pid_alive, prepare_run_dir
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from memsvc.lifeline import child_env
@@ -167,6 +168,10 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     for name in names:
         assert name in status.stdout
     want = generate(scheduler)
+    # the state, the scheduler's memsvc session and the logs: the user's alone (issue 26, 13)
+    private = [run_dir / STATE_FILE, *run_dir.glob("*.session"), *run_dir.glob("*.log")]
+    assert len(private) == 1 + 1 + 4, private  # supervisor.log and one log per service
+    assert {p.name: mode(p) for p in private} == {p.name: 0o600 for p in private}
 
     # model_svc dies: it is restarted, and the same request gives the same tokens
     old_model = stack.kill_and_await_restart("model_svc")
@@ -195,6 +200,26 @@ def test_up_status_restart_and_stop(up, run_dir: Path) -> None:
     assert not list(run_dir.glob("*.sock")) and not list(run_dir.glob("*.ready"))
     assert read_state(run_dir)["status"] == "stopped"
     assert kvstack("status", "--run-dir", str(run_dir)).returncode == 1  # nothing runs
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_run_dir_kvstack_creates_is_private_and_so_is_its_state(tmp_path: Path) -> None:
+    """Issue 26, item 13: the run dir was 0755 and state.json 0644."""
+    run_dir = prepare_run_dir(str(tmp_path / "new" / "run"))
+    assert mode(tmp_path / "new") == mode(run_dir) == 0o700
+    stale = run_dir / f"{STATE_FILE}.tmp"  # left by a supervisor that died writing it
+    stale.write_text("{}")
+    stale.chmod(0o644)
+    Supervisor([], run_dir).write_state()
+    assert mode(run_dir / STATE_FILE) == 0o600 and json.loads((run_dir / STATE_FILE).read_text())
+    Supervisor([], tmp_path / "started").start()
+    assert mode(tmp_path / "started") == 0o700
+    given = tmp_path / "given"
+    given.mkdir(mode=0o750)
+    assert mode(prepare_run_dir(str(given))) == 0o750  # one the user made keeps its mode
 
 
 def test_a_killed_up_leaves_no_service_or_segment(up, run_dir: Path) -> None:
