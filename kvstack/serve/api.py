@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvstack.serve.limits import DEFAULT_MAX_BATCH_REQUESTS
 from kvstack.serve.sglang_fields import (
     ABORT_DEFAULTS,
     GENERATE_DEFAULTS,
@@ -69,7 +70,10 @@ class GenerateOne(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
-    input_ids: list[Int64] | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
+    # fail_fast: one error for a bad list, not one per id (a million of them, at 400 bytes)
+    input_ids: list[Int64] | None = Field(
+        default=None, max_length=MAX_PROMPT_TOKENS, fail_fast=True
+    )
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     stream: bool = False
     rid: str | None = Field(default=None, min_length=1, max_length=256)
@@ -86,6 +90,7 @@ class GenerateOne(BaseModel):
     def _nulls(cls, data: Any) -> Any:
         # SGLang reads null as "unset" for all of these
         if isinstance(data, dict):
+            check_prompt_len(data.get("input_ids"))
             nullable = ("return_logprob", "logprob_start_len", "top_logprobs_num")
             return {k: v for k, v in data.items() if not (v is None and k in nullable)}
         return data
@@ -113,6 +118,15 @@ class GenerateOne(BaseModel):
         }
 
 
+def check_prompt_len(input_ids: Any, name: str = "input_ids") -> None:
+    """ValueError for a list of more than ``MAX_PROMPT_TOKENS`` ids, before its ids are
+    validated one by one (the body cap lets through millions)."""
+    if isinstance(input_ids, list) and len(input_ids) > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"{name}: at most {MAX_PROMPT_TOKENS} tokens in a prompt, got {len(input_ids)}"
+        )
+
+
 @dataclass
 class GenerateBatch:
     """A ``/generate`` body as the requests to send: ``items`` in SGLang's order (prompt by
@@ -135,11 +149,13 @@ _PER_PROMPT = (
 )
 
 
-def parse_generate(data: Any) -> GenerateBatch:
+def parse_generate(data: Any, max_requests: int = DEFAULT_MAX_BATCH_REQUESTS) -> GenerateBatch:
     """A ``/generate`` body, SGLang's single or batch form, as :class:`GenerateBatch`.
 
     Raises :class:`ApiError` (400): a field not honoured at a non-default value
-    (``unsupported_field``), anything else invalid (``invalid_request``).
+    (``unsupported_field``), more than ``max_requests`` prompts × ``n``
+    (``batch_too_large``, the prompt list checked before its items), anything
+    else invalid (``invalid_request``).
     """
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "the body must be a JSON object")
@@ -148,6 +164,7 @@ def parse_generate(data: Any) -> GenerateBatch:
     except Unsupported as exc:
         raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
     size = _batch_size(fields)
+    check_batch(size or 1, 1, max_requests)
     prompts = []
     for i in range(size or 1):
         item = dict(fields)
@@ -182,6 +199,7 @@ def parse_generate(data: Any) -> GenerateBatch:
             raise ApiError(400, "invalid_request", _validation_message(exc, where)) from None
         except ValueError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from None
+        check_batch(size or 1, n, max_requests)
         items += parallel_samples(one.check_prompt(), n)
     batch = size is not None or len(items) > 1
     return GenerateBatch(items, batch, bool(fields.get("stream", False)))
@@ -286,20 +304,16 @@ def _validation_message(exc: ValidationError, prefix: str = "") -> str:
     return "; ".join(parts)
 
 
-async def read_json(request: web.Request) -> Any:
-    """The request's JSON body; :class:`ApiError` 400 if it is not JSON, or holds NaN or
-    an infinity (which Python's json accepts and JSON does not)."""
-    body = await request.read()
+def decode_json(body: bytes) -> Any:
+    """The body as JSON; :class:`ApiError` 400 if it is not JSON, or holds NaN or an
+    infinity (which Python's json accepts and JSON does not)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise ApiError(400, "malformed_json", "the body nests too deeply to parse") from None
-    try:
-        where = find_non_finite(data)
-    except RecursionError:
-        raise ApiError(400, "malformed_json", "the body nests too deeply to parse") from None
+    where = find_non_finite(data)
     if where is not None:
         raise ApiError(
             400,
@@ -310,14 +324,30 @@ async def read_json(request: web.Request) -> Any:
     return data
 
 
-async def parse_body(request: web.Request, model: type[BaseModel]) -> Any:
-    data = await read_json(request)
+def validate_body(model: type[BaseModel], data: Any) -> Any:
+    """``data`` as ``model``; :class:`ApiError` 400 naming what is wrong otherwise."""
     try:
         return model.model_validate(data)
     except Unsupported as exc:
         raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
     except ValidationError as exc:
         raise ApiError(400, "invalid_request", _validation_message(exc)) from None
+
+
+def check_batch(num_prompts: int, n: int, max_requests: int, param: str | None = None) -> None:
+    """:class:`ApiError` 400 naming the cap if ``num_prompts`` prompts, each sampled ``n``
+    times, would be more than ``max_requests`` scheduler requests."""
+    if num_prompts * n <= max_requests:
+        return
+    shape = f"{num_prompts} prompts" + (f" × n {n}" if n > 1 else "")
+    raise ApiError(
+        400,
+        "batch_too_large",
+        f"{param + ': ' if param else ''}this request would be {num_prompts * n} scheduler "
+        f"requests ({shape}); a request may be at most {max_requests} "
+        "(--max-batch-requests)",
+        param=param,
+    )
 
 
 def http_status(status_code: int) -> int:

@@ -11,7 +11,10 @@ token and inter-token latency also for requests answered whole.
 ``HttpFront`` owns the clients it uses to reach the scheduler (one for
 generation, with a long timeout; one for info and aborts, with a short one)
 and an HTTP session for scraping the services' metrics; all are opened and
-closed with the application.
+closed with the application. It bounds what one client may cost
+(:mod:`kvstack.serve.limits`): a body's size and the scheduler requests one
+body becomes; a large body is decoded and validated in a worker thread, not on
+the event loop.
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -37,26 +40,27 @@ from kvstack.serve.api import (
     GenerateOne,
     Item,
     StreamMeta,
+    decode_json,
     error_response,
     http_status,
     merge_metrics,
     openai_error_body,
-    parse_body,
     parse_generate,
     parse_metrics,
-    read_json,
     sse,
     stream_text,
+    validate_body,
     with_logprob_text,
 )
+from kvstack.serve.limits import INLINE_PARSE_BYTES, OFFLOAD_CONCURRENCY, FrontLimits
 from kvstack.serve.openai_routes import OpenAIRoutes
 from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateError, GenerateResult
 
 log = logging.getLogger("kvstack.http")
+T = TypeVar("T")
 
-MAX_BODY_BYTES = 64 << 20  # a prompt of MAX_PROMPT_TOKENS ids, as JSON, fits
 SCRAPE_TIMEOUT_S = 3.0
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
@@ -98,6 +102,7 @@ class HttpFront(OpenAIRoutes):
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 5.0,
         served_model_name: str | None = None,
+        limits: FrontLimits | None = None,
     ) -> None:
         self.backend = backend
         self.mode = mode
@@ -109,6 +114,8 @@ class HttpFront(OpenAIRoutes):
         self.model_path = str(backend.checkpoint) if backend.checkpoint is not None else "tiny"
         self.served_model_name = served_model_name or self.model_path
         self.metrics = FrontMetrics(self.served_model_name, "unified")
+        self.limits = limits or FrontLimits()
+        self._offloads = asyncio.Semaphore(OFFLOAD_CONCURRENCY)  # large bodies parsed at once
         self._inflight: set[str] = set()
         self._background: set[asyncio.Task] = set()
         self._generate: AsyncGenerateClient | None = None
@@ -117,7 +124,9 @@ class HttpFront(OpenAIRoutes):
         self._max_context_len: int | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(
+            middlewares=[self._errors], client_max_size=self.limits.max_body_bytes
+        )
         app.add_routes(
             [
                 web.post("/generate", self.generate),
@@ -202,6 +211,30 @@ class HttpFront(OpenAIRoutes):
             route = request.match_info.route.resource
             endpoint = route.canonical if route is not None else "other"
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    # -- request bodies -------------------------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body: 413 past ``--max-request-body-bytes`` (by its Content-Length, before
+        reading it)."""
+        limits = self.limits
+        if request.content_length is not None and request.content_length > limits.max_body_bytes:
+            raise _too_large(request.content_length, limits.max_body_bytes)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, past the cap as it came
+            raise _too_large(None, limits.max_body_bytes) from None
+
+    async def _parsed(self, request: web.Request, parse: Callable[[Any], T]) -> T:
+        """The body decoded as JSON and given to ``parse`` (validation: :class:`ApiError`
+        for a bad one): on the event loop for a small body, in a worker thread for a large
+        one (``OFFLOAD_CONCURRENCY`` at a time), so that other requests keep being
+        answered meanwhile."""
+        body = await self._read_body(request)
+        if len(body) <= INLINE_PARSE_BYTES:
+            return parse(decode_json(body))
+        async with self._offloads:
+            return await asyncio.to_thread(lambda: parse(decode_json(body)))
 
     # -- one scheduler request ------------------------------------------------------------
 
@@ -349,7 +382,8 @@ class HttpFront(OpenAIRoutes):
     # -- /generate ------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_generate(await read_json(request))
+        cap = self.limits.max_batch_requests
+        parsed = await self._parsed(request, lambda data: parse_generate(data, cap))
         rids = self._rids(parsed.items)
         started = time.monotonic()
         gens = [
@@ -528,7 +562,7 @@ class HttpFront(OpenAIRoutes):
         return web.Response(text=message or "Flush cache failed.\n", status=400)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body: AbortIn = await parse_body(request, AbortIn)
+        body: AbortIn = await self._parsed(request, lambda data: validate_body(AbortIn, data))
         assert self._control is not None
         rids = sorted(self._inflight) if body.abort_all else [body.rid]
         found = []
@@ -573,6 +607,15 @@ class HttpFront(OpenAIRoutes):
         except (ClientError, OSError, asyncio.TimeoutError) as exc:
             log.debug("scraping %s failed: %s", url, exc)
             return None
+
+
+def _too_large(size: int | None, cap: int) -> ApiError:
+    got = f"{size} bytes" if size is not None else "more"
+    return ApiError(
+        413,
+        "body_too_large",
+        f"the body is {got}; this server takes at most {cap} bytes (--max-request-body-bytes)",
+    )
 
 
 def _version() -> str:

@@ -49,6 +49,7 @@ from aiohttp import web
 
 from kvstack.model.paths import TINY, say_on_stderr
 from kvstack.serve.app import Backend, HttpFront
+from kvstack.serve.limits import FrontLimits, add_limit_arguments, limits_from_args
 from kvstack.stack.model_args import (
     ModelArgsError,
     StackModel,
@@ -317,6 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "clients/ or a key file is another user's or group- or world-writable",
     )
     add_ready_timeout(stack)
+    add_limit_arguments(parser)
     model = add_model_arguments(
         parser,
         default_model=None,
@@ -332,6 +334,7 @@ def run(args: argparse.Namespace) -> int:
     signals.install()  # a signal while the stack starts stops it once it is up
     args.model_path = getattr(args, "model_path", None) or (None if args.scheduler else TINY)
     try:
+        limits = _limits(args)
         with contextlib.ExitStack() as exits:
             curve = _curve_keys(args)
             if args.scheduler:
@@ -363,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
                 request_timeout_s=args.request_timeout,
                 control_timeout_s=args.control_timeout,
                 served_model_name=served_model_name(args) or backend.served_model_name,
+                limits=limits,
             )
             try:
                 asyncio.run(serve(front, args, signals))
@@ -372,6 +376,13 @@ def run(args: argparse.Namespace) -> int:
     except ServeError as exc:
         print(f"kvstack serve: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _limits(args: argparse.Namespace) -> FrontLimits:
+    try:
+        return limits_from_args(args)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def _curve_keys(args: argparse.Namespace) -> KeyFolder | None:

@@ -21,11 +21,17 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvstack.serve.api import MAX_TOP_LOGPROBS, ApiError, GenerateOne, parallel_samples
+from kvstack.serve.api import (
+    MAX_TOP_LOGPROBS,
+    ApiError,
+    GenerateOne,
+    check_prompt_len,
+    parallel_samples,
+)
 from kvstack.serve.sglang_fields import MAX_N, Unsupported, check_default_only
 from scheduler_svc.protocol import EMPTY_PROMPT, MAX_PROMPT_TOKENS, Int64
 
@@ -95,6 +101,22 @@ CHAT_DEFAULTS: dict[str, Any] = {
 _IGNORED = ("user", "parallel_tool_calls", "separate_reasoning", "stream_reasoning")
 
 
+# One error for a bad list, not one per element: a prompt of a million ids tried as each
+# member of the union gave a 25 MB error message after 15 s.
+Texts = Annotated[list[str], Field(fail_fast=True)]
+Ids = Annotated[list[Int64], Field(fail_fast=True)]
+IdLists = Annotated[list[Ids], Field(fail_fast=True)]
+
+
+def num_prompts(prompt: Any) -> int:
+    """How many prompts a (not yet validated) ``prompt`` holds: a list of ids is one."""
+    if not isinstance(prompt, list):
+        return 1
+    if prompt and isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -128,7 +150,7 @@ class _Request(BaseModel):
     min_p: float | None = None
     min_tokens: int = 0
     repetition_penalty: float | None = None
-    stop_token_ids: list[Int64] | None = None
+    stop_token_ids: Ids | None = None
     no_stop_trim: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -186,11 +208,18 @@ class CompletionIn(_Request):
 
     sglang_defaults: ClassVar[dict[str, Any]] = COMPLETION_DEFAULTS
 
-    prompt: str | list[str] | list[Int64] | list[list[Int64]]
+    prompt: str | Texts | Ids | IdLists
     max_tokens: int = Field(default=16, ge=1, le=1 << 20)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # the prompt before the completion (with logprobs: the prompt's logprobs too)
     echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _long_prompt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and num_prompts(data.get("prompt")) == 1:
+            check_prompt_len(data.get("prompt"), "prompt")
+        return data
 
     def prompts(self) -> list[dict[str, Any]]:
         """Each prompt as ``{"text": ...}`` or ``{"input_ids": ...}``."""
@@ -211,7 +240,9 @@ class ChatIn(_Request):
 
     sglang_defaults: ClassVar[dict[str, Any]] = CHAT_DEFAULTS
 
-    messages: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
+    messages: list[dict[str, Any]] = Field(
+        min_length=1, max_length=MAX_PROMPT_TOKENS, fail_fast=True
+    )
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     logprobs: bool = False

@@ -21,8 +21,8 @@ from kvstack.serve.api import (
     ApiError,
     GenerateOne,
     Item,
+    check_batch,
     openai_error_body,
-    read_json,
     sse,
     stream_text,
 )
@@ -33,17 +33,29 @@ class OpenAIRoutes:
     """The ``/v1`` handlers of :class:`~kvstack.serve.app.HttpFront`."""
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body: oai.CompletionIn = oai.parse_openai(oai.CompletionIn, await read_json(request))
+        cap = self.limits.max_batch_requests
+        body, ones, echoes = await self._parsed(
+            request, lambda data: self._completion_requests(data, cap)
+        )
+        return await self._openai(request, body, ones, chat=False, echoes=echoes)
+
+    def _completion_requests(
+        self, data: Any, max_requests: int
+    ) -> tuple[oai.CompletionIn, list[GenerateOne], list[str] | None]:
+        """The body, its scheduler requests, and with ``echo`` each choice's prompt."""
+        if isinstance(data, dict):  # a prompt list past the cap: refused before its items
+            check_batch(oai.num_prompts(data.get("prompt")), 1, max_requests, "prompt")
+        body: oai.CompletionIn = oai.parse_openai(oai.CompletionIn, data)
         try:
             prompts = body.prompts()
         except ValueError as exc:  # SGLang names no param for an empty prompt
             raise ApiError(400, "invalid_request", str(exc)) from None
-        top = body.logprobs
+        check_batch(len(prompts), body.n, max_requests, "n" if body.n > 1 else "prompt")
         ones = oai.generate_ones(
             body,
             prompts,
             max_new_tokens=[body.max_tokens] * len(prompts),
-            top_logprobs=top,
+            top_logprobs=body.logprobs,
             prompt_logprobs=body.echo,
         )
         echoes = None
@@ -52,10 +64,24 @@ class OpenAIRoutes:
                 p["text"] if "text" in p else self.tokenizer.decode(p["input_ids"]) for p in prompts
             ]
             echoes = [text for text in texts for _ in range(body.n)]
-        return await self._openai(request, body, ones, chat=False, echoes=echoes)
+        return body, ones, echoes
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body: oai.ChatIn = oai.parse_openai(oai.ChatIn, await read_json(request))
+        body, input_ids = await self._parsed(request, self._chat_prompt)
+        max_new = body.max_completion_tokens or body.max_tokens
+        if max_new is None:  # SGLang's: what the context has left
+            max_new = max(1, await self._context_len() - len(input_ids))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        ones = oai.generate_ones(
+            body, [{"input_ids": input_ids}], max_new_tokens=[max_new], top_logprobs=top
+        )
+        return await self._openai(request, body, ones, chat=True)
+
+    def _chat_prompt(self, data: Any) -> tuple[oai.ChatIn, list[int]]:
+        """The body and its messages rendered and tokenized (in a worker thread when the
+        body is large: the tokenizer's time grows with the text)."""
+        body: oai.ChatIn = oai.parse_openai(oai.ChatIn, data)
+        check_batch(1, body.n, self.limits.max_batch_requests, "n")
         from model_svc.chat_template import ChatTemplateError
 
         template = getattr(self.tokenizer, "chat_template", None)
@@ -71,15 +97,7 @@ class OpenAIRoutes:
             rendered = template.render(body.messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, "invalid_request", str(exc), param="messages") from None
-        input_ids = self.tokenizer.encode(rendered, add_bos=False)
-        max_new = body.max_completion_tokens or body.max_tokens
-        if max_new is None:  # SGLang's: what the context has left
-            max_new = max(1, await self._context_len() - len(input_ids))
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        ones = oai.generate_ones(
-            body, [{"input_ids": input_ids}], max_new_tokens=[max_new], top_logprobs=top
-        )
-        return await self._openai(request, body, ones, chat=True)
+        return body, self.tokenizer.encode(rendered, add_bos=False)
 
     async def _context_len(self) -> int:
         if self._max_context_len is None:
