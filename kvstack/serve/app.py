@@ -12,9 +12,10 @@ token and inter-token latency also for requests answered whole.
 generation, with a long timeout; one for info and aborts, with a short one)
 and an HTTP session for scraping the services' metrics; all are opened and
 closed with the application. It bounds what one client may cost
-(:mod:`kvstack.serve.limits`): a body's size and the scheduler requests one
-body becomes; a large body is decoded and validated in a worker thread, not on
-the event loop.
+(:mod:`kvstack.serve.limits`): a body's size and the time it takes to arrive,
+the scheduler requests one body becomes, and, through its
+:class:`~kvstack.serve.connections.ConnectionGuard`, the connections held; a
+large body is decoded and validated in a worker thread, not on the event loop.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from kvstack.serve.api import (
     validate_body,
     with_logprob_text,
 )
+from kvstack.serve.connections import ConnectionGuard
 from kvstack.serve.limits import INLINE_PARSE_BYTES, OFFLOAD_CONCURRENCY, FrontLimits
 from kvstack.serve.openai_routes import OpenAIRoutes
 from memsvc.client import PeerDeadError
@@ -115,6 +117,7 @@ class HttpFront(OpenAIRoutes):
         self.served_model_name = served_model_name or self.model_path
         self.metrics = FrontMetrics(self.served_model_name, "unified")
         self.limits = limits or FrontLimits()
+        self.connections = ConnectionGuard(self.limits.max_connections)
         self._offloads = asyncio.Semaphore(OFFLOAD_CONCURRENCY)  # large bodies parsed at once
         self._inflight: set[str] = set()
         self._background: set[asyncio.Task] = set()
@@ -180,6 +183,7 @@ class HttpFront(OpenAIRoutes):
         """Every error as JSON (OpenAI's error object under /v1/), every answer counted."""
         status = 500
         openai = request.path.startswith("/v1/")
+        self.connections.busy(request.transport)
         try:
             response = await handler(request)
             status = response.status
@@ -208,6 +212,7 @@ class HttpFront(OpenAIRoutes):
                 return web.json_response(body, status=500)
             return error_response(500, "internal", message)
         finally:
+            self.connections.waiting(request.transport)
             route = request.match_info.route.resource
             endpoint = route.canonical if route is not None else "other"
             self.metrics.requests.labels(endpoint, str(status)).inc()
@@ -216,12 +221,19 @@ class HttpFront(OpenAIRoutes):
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The body: 413 past ``--max-request-body-bytes`` (by its Content-Length, before
-        reading it)."""
+        reading it), 408 if it does not arrive within ``--http-body-timeout``."""
         limits = self.limits
         if request.content_length is not None and request.content_length > limits.max_body_bytes:
             raise _too_large(request.content_length, limits.max_body_bytes)
         try:
-            return await request.read()
+            with self.connections.receiving(request.transport):
+                return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                "body_timeout",
+                f"the body did not arrive within {limits.body_timeout_s:g} s (--http-body-timeout)",
+            ) from None
         except web.HTTPRequestEntityTooLarge:  # a chunked body, past the cap as it came
             raise _too_large(None, limits.max_body_bytes) from None
 

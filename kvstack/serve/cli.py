@@ -49,7 +49,12 @@ from aiohttp import web
 
 from kvstack.model.paths import TINY, say_on_stderr
 from kvstack.serve.app import Backend, HttpFront
-from kvstack.serve.limits import FrontLimits, add_limit_arguments, limits_from_args
+from kvstack.serve.limits import (
+    FrontLimits,
+    add_limit_arguments,
+    limits_from_args,
+    listen_backlog,
+)
 from kvstack.stack.model_args import (
     ModelArgsError,
     StackModel,
@@ -380,9 +385,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _limits(args: argparse.Namespace) -> FrontLimits:
     try:
-        return limits_from_args(args)
+        limits = limits_from_args(args)
     except ValueError as exc:
         raise ServeError(str(exc)) from None
+    problem = limits.fd_problem()
+    if problem is not None:
+        raise ServeError(problem)
+    return limits
 
 
 def _curve_keys(args: argparse.Namespace) -> KeyFolder | None:
@@ -408,7 +417,10 @@ async def serve(
 ) -> None:
     """Serve until SIGINT / SIGTERM; in-flight requests get a short grace, then are aborted."""
     runner = web.AppRunner(
-        front.app(), shutdown_timeout=SHUTDOWN_GRACE_S, handler_cancellation=True
+        front.app(),
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        handler_cancellation=True,
+        **front.limits.aiohttp_settings(),
     )
     await runner.setup()
     stop = asyncio.Event()
@@ -417,13 +429,19 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     if signals is not None and signals.received is not None:
         stop.set()  # it came before the handlers above
+    listener: asyncio.Server | None = None
     try:
-        site = web.TCPSite(runner, args.host, args.port)
+        # The listening socket is ours, not an aiohttp site, so that every connection
+        # goes through the front's connection cap first.
+        assert runner.server is not None
+        factory = front.connections.protocol_factory(runner.server)
         try:
-            await site.start()
+            listener = await loop.create_server(
+                factory, args.host, args.port, backlog=listen_backlog()
+            )
         except OSError as exc:
             raise ServeError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
-        host, port = runner.addresses[0][:2]
+        host, port = listener.sockets[0].getsockname()[:2]
         address = f"http://{host}:{port}"
         write_ready_file(
             args.ready_file,
@@ -437,6 +455,8 @@ async def serve(
         await stop.wait()
         log.info("stopping")
     finally:
+        if listener is not None:
+            listener.close()  # no new connections; runner.cleanup() ends the open ones
         await runner.cleanup()
         if args.ready_file:
             with contextlib.suppress(FileNotFoundError):
