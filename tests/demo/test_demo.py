@@ -73,10 +73,14 @@ def test_demo_end_to_end(demo_run):
     rows = table_rows(out)
     assert rows["measure"] == ["normal", "PD", "reference"]
     normal, pd, reference = (int(v) for v in rows["retractions (events)"])
-    assert normal > 0 and pd > 0 and reference == 0
+    # Normal mode always retracts here. The PD decode node's budget keeps every request's
+    # growth (issue 35), so whether its short requests outgrow the pool together depends
+    # on when their KV arrives: it retracted in 19 of 20 runs (tests/pd covers PD retract
+    # with a workload that always does).
+    assert normal > 0 and reference == 0
     assert int(rows["tokens re-prefilled"][0]) > 0  # normal mode recomputes its victims
     offloaded = [int(v.replace(",", "")) for v in rows["bytes offloaded"]]
-    assert offloaded[0] == 0 and offloaded[1] > 0  # PD mode offloads them instead
+    assert offloaded[0] == 0 and (offloaded[1] > 0) == (pd > 0)  # PD mode offloads instead
     assert rows["requests"] == ["13", "13", "13"] and rows["aborts"] == ["0", "0", "0"]
     assert len(set(rows["tokens generated"])) == 1
     questions = [line for line in out.splitlines() if line.startswith("Q: ")]
