@@ -318,6 +318,9 @@ class MemService:
         for rid in msg.rids:
             self._own(session, rid)
         items = list(zip(msg.rids, msg.num_tokens.tolist(), strict=True))
+        cut = self.pool.settle_loads(msg.rids)
+        if cut:  # a prefix load failed: a miss for these requests alone, said as data
+            return {"fits": False, "missing": 0, "cut": cut}, None
         slots = self.pool.alloc_extend(items)
         if slots is None:
             needed = self.pool.extend_tokens_required(items)

@@ -220,6 +220,16 @@ class _Collector:
             "Time spent in storage-tier I/O",
             value=s.storage_seconds,
         )
+        yield counter(
+            "kvstack_hicache_storage_load_failures",
+            "Storage loads that met a missing, short, corrupt or unreadable page (a miss)",
+            value=s.storage_load_failures,
+        )
+        yield counter(
+            "kvstack_hicache_storage_write_failures",
+            "Pages of storage backups undone by a failed write",
+            value=s.storage_write_failures,
+        )
 
     def _pool_series(self, gauge: Any) -> Any:
         service = self.service

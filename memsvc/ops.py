@@ -28,11 +28,17 @@ class PoolSizes(NamedTuple):
 
 @dataclass(frozen=True)
 class AllocResult:
-    """``alloc_extend`` / ``decode_step`` / ``load``: the new slots, or what is missing."""
+    """``alloc_extend`` / ``decode_step`` / ``load``: the new slots, or what is missing.
+
+    ``cut`` (``alloc_extend`` with the hierarchical cache): requests whose matched
+    prefix was cut back because a page loaded for it failed verification, with the
+    prefix length each holds now; nothing was allocated.
+    """
 
     fits: bool
     slots: np.ndarray | None = None
     missing: int = 0
+    cut: dict[str, int] = field(default_factory=dict)
 
 
 class PrefixMatch(NamedTuple):
@@ -71,7 +77,7 @@ def _as_array(values: Sequence[int] | np.ndarray) -> np.ndarray:
 def _alloc_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> AllocResult:
     if header["fits"]:
         return AllocResult(True, arrays["slots"])
-    return AllocResult(False, None, int(header["missing"]))
+    return AllocResult(False, None, int(header["missing"]), dict(header.get("cut") or {}))
 
 
 def _nothing(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:

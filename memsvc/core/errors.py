@@ -71,6 +71,42 @@ class CopyFailedError(MemsvcError):
     code = "copy_failed"
 
 
+class StoredPageError(MemsvcError):
+    """A page read back from the storage tier is missing, short, corrupt or unreadable.
+
+    Raised on the copy thread by a load; it ends that load's fence. ``loaded``
+    holds the keys the load verified and copied before it met the bad one: the
+    prefix they cover is still good.
+    """
+
+    code = "stored_page"
+
+    def __init__(self, message: str, loaded: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.loaded = loaded
+
+
+class PrefixCutError(MemsvcError):
+    """A request's matched prefix was cut back since its match: a page loaded for it
+    failed verification (a miss for that request alone).
+
+    ``cut`` maps each such request to its prefix length now; its row holds that
+    much KV, still locked, and nothing was allocated. The caller recomputes from
+    there (or releases the request and matches again).
+    """
+
+    code = "prefix_cut"
+
+    def __init__(self, message: str, cut: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.cut = dict(cut or {})
+
+    @classmethod
+    def of(cls, cut: dict[str, int]) -> PrefixCutError:
+        held = ", ".join(f"{rid!r} now holds {n} tokens" for rid, n in cut.items())
+        return cls(f"a cached prefix failed to load and was cut back: {held}", cut)
+
+
 class BackendUnavailableError(MemsvcError):
     """The requested buffer backend cannot run here (e.g. ``cuda`` without a GPU or cupy)."""
 

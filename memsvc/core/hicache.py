@@ -43,17 +43,31 @@ No lock outlives an op on the host or storage tier (ops are atomic and the
 copies ordered), so session expiry has nothing to release there beyond the
 request locks the pool releases.
 
+Storage faults: every page read back from storage is verified (its checksum
+covers its bytes and its key, :mod:`memsvc.core.storage.base`). A load that
+meets a missing, short, corrupt or unreadable page copies the good pages before
+it and fails its fence (:class:`StoredPageError`); whoever finds the failure
+(the request's fence at ``alloc_extend``, a later match, an eviction) splits the
+node after its good pages (:meth:`HiRadixCache.split_failed`) and drops the rest
+from every tier: a miss for the requests that matched it, who recompute from
+there. A page write that fails is a failed backup: counted, nothing left behind,
+and the node it was for gives up its storage copy at the next match, flush or
+check (:meth:`HiRadixCache.reap_failed_writes`), before anyone reads it.
+
 Restart: the host tier is process memory and is lost with memsvc. The storage
-tier is **discarded** when a cache is created (its backend's
-``discard_all``): its index was the tree, which died with the process, so
-nothing a previous memsvc left is trusted, half or whole.
+tier lives in a subdirectory of this memsvc's own, made fresh when the cache is
+created and removed when it is closed (:mod:`memsvc.core.storage.tierdir`): its
+index was the tree, which dies with the process, so nothing a previous memsvc
+(or another stack on the same directory) left is ever read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +76,12 @@ import numpy as np
 
 from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
 from memsvc.core.backends.base import KVBuffers
-from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.errors import IntegrityError, InvalidArgumentError, StoredPageError
 from memsvc.core.fence import DONE, CopyFence
 from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_len
 from memsvc.core.storage import StorageBackend, create_storage
+
+log = logging.getLogger("memsvc")
 
 WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang's: hits before a node is backed up
@@ -83,8 +99,9 @@ class HiCacheConfig:
     size_bytes: int = 0  # > 0 overrides ratio
     write_policy: str = "write_through"  # SGLang's default
     storage_backend: str | None = None
-    storage_dir: str = "/tmp/kvstack-hicache"
+    storage_dir: str | None = None  # the base of our own subdirectory; None: per user
     storage_size_bytes: int = 0  # 0: 4 x the host tier
+    storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -147,6 +164,8 @@ class HiCacheStats:
     storage_read_bytes: int = 0
     storage_seconds: float = 0.0
     dropped_tokens: int = 0
+    storage_load_failures: int = 0  # loads that met a page failing verification
+    storage_write_failures: int = 0  # pages of storage backups that a failed write undid
     backups: int = 0  # copy jobs, for the duration summaries
     loads: int = 0
 
@@ -234,18 +253,22 @@ class HiRadixCache(RadixCache):
         self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
         try:
             if storage is None and config.storage_backend is not None:
-                storage = create_storage(config.storage_backend, config.storage_dir, page_bytes)
-            if storage is not None:
-                storage.discard_all()  # restart: never trust what a previous memsvc left
+                storage = create_storage(
+                    config.storage_backend,
+                    config.storage_dir,
+                    page_bytes,
+                    role=config.storage_role,
+                )
         except OSError as exc:
             raise InvalidArgumentError(
-                f"hicache storage directory {config.storage_dir!r} is unusable: {exc}"
+                f"hicache storage directory {config.storage_dir or 'default'!r} is unusable: {exc}"
             ) from exc
         self.storage = storage
         self.storage_capacity_pages = (
             config.storage_pages(self.host.num_pages, page_bytes) if storage else 0
         )
         self._storage_keys: set[str] = set()
+        self._failed_writes: deque[list[str]] = deque()  # appended by the copy thread
         self.stats = HiCacheStats()
         self._last_fence: CopyFence = DONE
 
@@ -313,19 +336,39 @@ class HiRadixCache(RadixCache):
         self.stats.load_seconds += time.perf_counter() - started
 
     def _job_host_to_storage(self, host_pages: np.ndarray, keys: list[str]) -> None:
+        """Write a node's pages; one that fails fails the node's storage copy (queued for
+        :meth:`reap_failed_writes`), and the pages after it are not tried."""
         started = time.perf_counter()
         for page, key in zip(host_pages.tolist(), keys, strict=True):
-            self.storage.put(key, self.host.arena[page])
+            try:
+                self.storage.put(key, self.host.arena[page])
+            except OSError as exc:
+                self.stats.storage_write_failures += len(keys)  # the node's whole copy fails
+                log.warning("hicache storage: writing page %s failed: %s", key, exc)
+                self._failed_writes.append(keys)
+                break
         self.stats.storage_seconds += time.perf_counter() - started
 
     def _job_from_storage(self, keys: list[str], dev_pages: np.ndarray) -> None:
+        """Load verified pages; at the first that fails, copy the good ones before it and
+        raise :class:`StoredPageError` naming them."""
         started = time.perf_counter()
         staging = self.buffers.alloc_host(len(keys))
+        num_good, why = 0, None
         for i, key in enumerate(keys):
-            if not self.storage.get(key, staging[i]):
-                raise OSError(f"storage tier lost page {key}")
-        self.buffers.scatter_pages(staging, dev_pages)
+            why = self.storage.get(key, staging[i])
+            if why is not None:
+                break
+            num_good += 1
+        if num_good:
+            self.buffers.scatter_pages(staging[:num_good], dev_pages[:num_good])
         self.stats.load_seconds += time.perf_counter() - started
+        if why is not None:
+            self.stats.storage_load_failures += 1
+            log.warning("hicache storage: page %s failed verification: %s", keys[num_good], why)
+            raise StoredPageError(
+                f"storage page {keys[num_good]} is unusable: {why}", frozenset(keys[:num_good])
+            )
 
     def _job_storage_delete(self, keys: list[str]) -> None:
         for key in keys:
@@ -366,6 +409,7 @@ class HiRadixCache(RadixCache):
         pages are readable once ``fence`` is done.
         """
         key = self._as_key(token_ids)
+        self.reap_failed_writes()
         path, _ = self._walk(key)
         num_device = 0
         while num_device < len(path) and path[num_device].value.size:
@@ -691,6 +735,8 @@ class HiRadixCache(RadixCache):
         evicted = 0
         while evicted < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
+            if self._load_state(node) == "failed":
+                self.split_failed(node)  # its good pages stay, in a node of their own
             parent = node.parent
             evicted += len(node.key)
             self._evict_device_node(node, protect)
@@ -719,6 +765,7 @@ class HiRadixCache(RadixCache):
         """SGLang's flush_cache: every unlocked device node evicted and every copy off the
         device (host and storage) dropped; locked paths stay on the device, copies freed.
         Returns the device tokens evicted."""
+        self.reap_failed_writes()
         evicted = self.evict(self.evictable_size())
         # Device nodes are closed under parent: the off-device subtrees hang from the
         # root or from a device node.
@@ -735,6 +782,57 @@ class HiRadixCache(RadixCache):
             if node.on_disk:
                 self._delete_storage(node)
         return evicted
+
+    def split_failed(self, node: TreeNode) -> bool:
+        """Cut a node whose load failed after the pages that load verified and copied:
+        the new upper node keeps them, its load done; ``node`` keeps the rest. Returns
+        whether ``node`` still failed (False: all its pages were good)."""
+        loaded = getattr(node.load_fence.error(), "loaded", frozenset())
+        hashes = self._hashes(node) if loaded else []
+        num_good = 0
+        while num_good < len(hashes) and hashes[num_good] in loaded:
+            num_good += 1
+        if num_good == len(hashes) and hashes:
+            node.load_fence = None
+            return False
+        if num_good:
+            self._split(node, num_good * self.page_size).load_fence = None
+        return True
+
+    def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
+        """The nodes from ``nodes`` up to the root whose load failed, each cut after the
+        pages its load verified (:meth:`split_failed`): the parts to drop."""
+        bad: dict[int, TreeNode] = {}
+        for node in nodes:
+            at = node  # and its ancestors: a split hands its load to both halves
+            while at is not None and at is not self.root:
+                failed = id(at) not in bad and self._load_state(at) == "failed"
+                if failed and self.split_failed(at):
+                    bad[id(at)] = at
+                at = at.parent
+        return list(bad.values())
+
+    def reap_failed_writes(self) -> int:
+        """Nodes whose storage write failed give up their storage copy; one that was
+        only there is dropped, with what hangs below it. Returns the keys written in vain.
+
+        A load of such a page, issued after the failed write, finds it missing and
+        fails on its own (a miss); nothing stored is ever read unverified.
+        """
+        failed: set[str] = set()
+        while self._failed_writes:
+            failed.update(self._failed_writes.popleft())
+        if not failed:
+            return 0
+        hit = [n for n in self.iter_nodes() if n.on_disk and not failed.isdisjoint(self._hashes(n))]
+        for node in hit:
+            if node.parent is None:
+                continue  # dropped with an ancestor
+            if node.value.size or node.host_pages is not None:
+                self._delete_storage(node)
+            else:
+                self._drop_subtree(node)
+        return len(failed)
 
     def discard_failed(self, nodes: Iterable[TreeNode]) -> None:
         """Drop nodes whose load failed, and everything below them, from every tier.
@@ -829,6 +927,8 @@ class HiRadixCache(RadixCache):
         if self.storage is None:
             return
         self.settle()
+        if self.reap_failed_writes():
+            self.settle()  # the deletes it issued
         stored = self.storage.keys()
         if stored != self._storage_keys:
             raise IntegrityError(
@@ -867,4 +967,6 @@ class HiRadixCache(RadixCache):
             "storage_read_bytes": s.storage_read_bytes,
             "storage_seconds": s.storage_seconds,
             "dropped_tokens": s.dropped_tokens,
+            "storage_load_failures": s.storage_load_failures,
+            "storage_write_failures": s.storage_write_failures,
         }

@@ -33,10 +33,11 @@ from memsvc.core.allocator import (
 from memsvc.core.backends import create_buffers
 from memsvc.core.decode_rows import DecodeRows
 from memsvc.core.errors import (
-    CopyFailedError,
     DuplicateRequestError,
+    IntegrityError,
     InvalidArgumentError,
     OutOfRowsError,
+    PrefixCutError,
     UnknownRequestError,
 )
 from memsvc.core.fence import CopyFence
@@ -132,6 +133,8 @@ class KVPool:
         self.rows_generation = 0
         # rid -> (node, copy) loading its matched prefix (hicache): alloc_extend waits for them.
         self._loading: dict[str, list[tuple[TreeNode, CopyFence]]] = {}
+        # rid -> the prefix length it holds since a failed load cut it back, until it is told
+        self._cut: dict[str, int] = {}
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -243,7 +246,7 @@ class KVPool:
             failed = [n for n, f in match.loads if f.done() and f.error() is not None]
             if not failed:
                 break
-            self._drop_failed_loads(failed)  # a load that failed earlier: drop it, match again
+            self._cut_failed_loads(failed)  # a load that failed earlier: cut it, match again
         self.tree.lock(match.last_node)
         self.table.write(req.row, 0, match.slots)
         req.last_node = match.last_node
@@ -258,51 +261,61 @@ class KVPool:
             match.load_pending,
         )
 
-    def wait_loaded(self, rid: str) -> None:
-        """Block until the KV loaded for ``rid``'s matched prefix is in its pages.
+    def settle_loads(self, rids: Iterable[str]) -> dict[str, int]:
+        """Wait for the loads of ``rids``' matched prefixes (hicache).
 
-        A load that failed (a storage page lost) raises ``CopyFailedError``
-        after dropping those nodes from the tree and resetting every request
-        that holds them to an empty row (no KV, nothing locked): such a
-        request matches again (or is freed) and recomputes.
+        Returns those of ``rids`` whose prefix was cut back since their match,
+        with the prefix length each holds now: a load met a page that failed
+        verification, a miss for the requests holding it alone. Their rows keep
+        the good prefix (locked) and nothing else; they recompute from there.
         """
-        loads = self._loading.pop(rid, None)
-        if not loads:
-            return
-        failed, failure = [], None
-        for node, fence in loads:
-            fence.wait()
-            if fence.error() is None:
-                if node.load_fence is fence:
+        rids = list(rids)
+        failed = []
+        for rid in rids:
+            for node, fence in self._loading.pop(rid, ()):
+                fence.wait()
+                if node.load_fence is not fence:
+                    continue  # seen to by whoever found it first
+                if fence.error() is None:
                     node.load_fence = None
-            else:
-                failed.append(node)
-                failure = fence.error()
+                elif node.parent is not None:
+                    failed.append(node)
         if failed:
-            self._drop_failed_loads(failed)
-            raise CopyFailedError(
-                f"loading the cached prefix of {rid!r} failed ({failure}); the prefix was "
-                "dropped from the cache and the request holds no KV now: match it again"
-            )
+            self._cut_failed_loads(failed)
+        return {rid: self._cut.pop(rid) for rid in rids if rid in self._cut}
 
-    def _drop_failed_loads(self, nodes: list[TreeNode]) -> None:
-        failed = {id(n) for n in nodes}
+    def wait_loaded(self, rid: str) -> int | None:
+        """:meth:`settle_loads` for one request: its prefix length if it was cut, else None."""
+        return self.settle_loads([rid]).get(rid)
+
+    def _cut_failed_loads(self, nodes: list[TreeNode]) -> None:
+        """Nodes whose load failed: keep each one's verified pages, cut every request
+        holding the rest back to the last good node, drop the rest from every tier."""
+        tree = self.hicache
+        bad = {id(n): n for n in tree.failed_loads_above(nodes)}
         for req in self._reqs.values():
-            node, holds = req.last_node, False
-            while node is not None and node is not self.tree.root:
-                if id(node) in failed:
-                    holds = True
-                    break
-                node = node.parent
-            if not holds:
-                continue
-            self.allocator.free(self.table.read(req.row, req.protected_len, req.kv_len))
-            self.tree.unlock(req.last_node)
-            self.table.write(req.row, 0, np.zeros(req.kv_len, dtype=SLOT_DTYPE))
-            req.kv_len = req.protected_len = 0
-            req.last_node = self.tree.root
-            self._loading.pop(req.rid, None)
-        self.hicache.discard_failed(nodes)
+            top, at = None, req.last_node
+            while at is not None and at is not tree.root:
+                if id(at) in bad:
+                    top = at
+                at = at.parent
+            if top is not None:
+                self._cut_back(req, top.parent)
+        tree.discard_failed(bad.values())
+        for rid, loads in list(self._loading.items()):
+            self._loading[rid] = [(n, f) for n, f in loads if id(n) not in bad]
+
+    def _cut_back(self, req: ReqKV, last_node: TreeNode) -> None:
+        """Cut ``req``'s matched prefix back to end at ``last_node`` (an ancestor)."""
+        if req.kv_len != req.protected_len:
+            raise IntegrityError(f"{req.rid!r} ran an extend over a load that failed")
+        prefix_len = int(self.tree._path_key(last_node).size)
+        self.tree.lock(last_node)
+        self.tree.unlock(req.last_node)
+        self.table.write(req.row, prefix_len, np.zeros(req.kv_len - prefix_len, dtype=SLOT_DTYPE))
+        req.kv_len = req.protected_len = prefix_len
+        req.last_node = last_node
+        self._cut[req.rid] = prefix_len
 
     def extend_tokens_required(self, items: Iterable[tuple[str, int]]) -> int:
         """Free slots an :meth:`alloc_extend` of ``items`` would consume."""
@@ -333,13 +346,18 @@ class KVPool:
 
         Returns the new slots, request after request (the forward pass's
         output locations), or ``None`` if the pool cannot hold them even
-        after evicting the shortfall from the tree (with ``evict``).
+        after evicting the shortfall from the tree (with ``evict``). First it
+        waits for the requests' prefix loads (hicache); if one failed and cut
+        a request's prefix back, it raises :class:`PrefixCutError` naming them
+        and allocates nothing (the caller recomputes from the shorter prefix,
+        or releases those requests and tries the rest).
         """
         items = list(items)
         total_pages, per_request = self._pages_for_extend(items)
-        if self._loading:
-            for rid, _ in items:
-                self.wait_loaded(rid)
+        if self._loading or self._cut:
+            cut = self.settle_loads(rid for rid, _ in items)
+            if cut:
+                raise PrefixCutError.of(cut)
         if evict:
             self.ensure_available(total_pages * self.page_size)
         if total_pages > self.allocator.num_free_pages:
@@ -458,6 +476,7 @@ class KVPool:
         req = self.request(rid)
         if self._loading:
             self._loading.pop(rid, None)  # its pages stay pending behind the copy if freed
+        self._cut.pop(rid, None)
         if is_insert:
             if token_ids is None:
                 raise InvalidArgumentError("release with is_insert=True needs the token ids")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from memsvc.core import KVPool, PoolLayout
-from memsvc.core.errors import CopyFailedError, InvalidArgumentError
+from memsvc.core.errors import InvalidArgumentError, PrefixCutError
 from memsvc.core.hicache import LOAD_BACK_THRESHOLD, HiCacheConfig, HiRadixCache
 from memsvc.core.radix_cache import RadixCache
 from memsvc.core.storage.file import SUFFIX
@@ -270,7 +270,7 @@ def test_storage_tier_demotes_and_reads_back(tmp_path):
         run_request(pool, rid, tokens)
     pool.evict(pool.evictable_size())  # device -> host; host LRU -> storage
     pool.settle_copies()
-    files = [n for n in os.listdir(tmp_path / "store") if n.endswith(SUFFIX)]
+    files = [n for n in os.listdir(tree.storage.directory) if n.endswith(SUFFIX)]
     assert len(files) == tree.storage_used_bytes() // pool.layout.bytes_per_page >= 3
     m = run_request(pool, "a2", a)
     assert (m.prefix_len, m.storage_tokens) == (12, 12)
@@ -291,25 +291,29 @@ def test_storage_cap_evicts_lru(tmp_path):
     finish(pool)
 
 
-def test_storage_is_discarded_on_restart(tmp_path):
+def test_restart_reads_nothing_a_previous_memsvc_left(tmp_path):
+    """Each cache keeps its pages in a fresh subdirectory of its own and removes it on
+    close: a new memsvc over the same directory never sees (nor deletes) anything else."""
     store = tmp_path / "store"
     store.mkdir()
     (store / ("stale" + SUFFIX)).write_bytes(b"x" * 10)
     (store / "unrelated.txt").write_text("keep me")
     pool = make_pool(tmp_path, storage="file")
-    assert sorted(os.listdir(store)) == ["unrelated.txt"]
+    own = pool.hicache.storage.directory
+    assert os.path.dirname(own) == str(store) and os.listdir(own) == []
     tokens = seq(30, 2)
     run_request(pool, "a", tokens)
     pool.evict(pool.evictable_size())
     pool.hicache.evict_host(pool.hicache.host.num_pages)
     pool.settle_copies()
-    assert any(n.endswith(SUFFIX) for n in os.listdir(store))
+    assert any(n.endswith(SUFFIX) for n in os.listdir(own))
     finish(pool)
-    # a new memsvc over the same directory trusts none of it
+    assert sorted(os.listdir(store)) == ["stale" + SUFFIX, "unrelated.txt"]
     pool = make_pool(tmp_path, storage="file")
-    assert sorted(os.listdir(store)) == ["unrelated.txt"]
+    assert pool.hicache.storage.directory != own
     assert run_request(pool, "b", tokens).prefix_len == 0
     finish(pool)
+    assert sorted(os.listdir(store)) == ["stale" + SUFFIX, "unrelated.txt"]
 
 
 def test_storage_dir_unusable_is_a_clear_error(tmp_path):
@@ -496,11 +500,12 @@ def _lose_storage_pages(tmp_path, pool: KVPool, tokens: np.ndarray) -> None:
     pool.hicache.evict_host(pool.hicache.host.num_pages)
     pool.settle_copies()
     assert pool.hicache.tier_tokens()["storage_only"] == len(tokens) - 1
-    for name in os.listdir(tmp_path / "store"):
-        os.unlink(tmp_path / "store" / name)
+    directory = pool.hicache.storage.directory
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
 
 
-def test_failed_storage_load_drops_the_prefix_and_resets_its_holders(tmp_path):
+def test_failed_storage_load_cuts_the_prefix_of_its_holders(tmp_path):
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
     tokens = seq(100, 3)
     _lose_storage_pages(tmp_path, pool, tokens)
@@ -510,15 +515,15 @@ def test_failed_storage_load_drops_the_prefix_and_resets_its_holders(tmp_path):
     assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
     assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 12  # shares a's load
     slow.gate.set()
-    with pytest.raises(CopyFailedError, match="match it again"):
+    with pytest.raises(PrefixCutError, match="failed to load") as cut:
         pool.alloc_extend([("a", 1)])
+    assert cut.value.cut == {"a": 0}  # every page was lost: nothing of it is kept
     for rid in ("a", "b"):  # both holders hold nothing now; the prefix is gone
         assert pool.request(rid).kv_len == 0
     pool.check_integrity()
     assert pool.hicache.tier_tokens() == {"device": 0, "host_only": 0, "storage_only": 0}
-    pool.release("b", is_insert=False)
-    assert pool.match_prefix_tiers("a", tokens[:-1]).prefix_len == 0
-    slots = pool.alloc_extend([("a", len(tokens))])  # recomputed from scratch
+    pool.release("b", is_insert=False)  # b leaves before it is told
+    slots = pool.alloc_extend([("a", len(tokens))])  # a recomputes from scratch
     pool.buffers.write_slots(slots, kv_of(tokens, 0, kv_shape(pool)))
     pool.release("a", tokens)
     assert run_request(pool, "again", tokens).device_tokens == 12
@@ -605,7 +610,7 @@ def test_flush_cache_empties_every_tier_but_the_locked_path(tmp_path):
     pool.flush_cache()
     pool.settle_copies()
     assert tree.host_used_tokens() == 0 and tree.storage_used_bytes() == 0
-    assert not [n for n in os.listdir(tmp_path / "store") if n.endswith(SUFFIX)]
+    assert not [n for n in os.listdir(tree.storage.directory) if n.endswith(SUFFIX)]
     pool.check_integrity()
     pool.open_request("a2")
     assert pool.match_prefix_tiers("a2", a[:-1]).prefix_len == 0  # gone from every tier

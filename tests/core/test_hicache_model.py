@@ -6,16 +6,22 @@ load may still be running, evict from the device and
 from the host tier, retract running requests into the tree, expire the
 "session" holding them all (the reclaim path: free without insert), under each
 write policy, with and without a storage tier, while the copy thread really
-runs the copies concurrently. After every step: the pool's integrity check
+runs the copies concurrently; and with storage faults (issue 26): page files
+deleted, cut short, flipped, zeroed, swapped or linked behind memsvc's back,
+and a disk that fills up (:class:`FullDiskStorage`). A damaged page is never
+served: a request whose load fails finds a shorter match, or is told at its
+``alloc_extend`` (``PrefixCutError``), and recomputes from the prefix it still
+holds. After every step: the pool's integrity check
 (pages in exactly one place per tier, bytes accounted); a matched prefix must
 be a prefix of a sequence inserted before; a match's host / storage part is
 loaded whole or not at all, never when under SGLang's load-back threshold, and
-always when it is long enough and fits the free device pages; at the end, the
-idle check.
+always when it is long enough and fits the free device pages (without faults);
+at the end, the idle check.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -25,7 +31,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from memsvc.core import KVPool
-from memsvc.core.hicache import LOAD_BACK_THRESHOLD, HiCacheConfig, HiRadixCache
+from memsvc.core.errors import PrefixCutError
+from memsvc.core.hicache import (
+    LOAD_BACK_THRESHOLD,
+    HiCacheConfig,
+    HiRadixCache,
+    page_hash_chain,
+)
+from memsvc.core.storage.file import SUFFIX
+from tests.core.storage_faults import DAMAGE_KINDS, FullDiskStorage, damage_file
 from tests.core.test_hicache import PAGE, kv_of, kv_shape, layout
 
 pages_st = st.lists(st.integers(0, 2), min_size=1, max_size=4)
@@ -69,6 +83,7 @@ class TieredTree(RuleBasedStateMachine):
         self.inserted: set[tuple[int, ...]] = set()  # page-aligned prefixes ever inserted
         self.whole: set[tuple[int, ...]] = set()  # ... the longest of each insert
         self.n = 0
+        self.faulty = False  # a page damaged or a write failed: matches may come out shorter
 
     @initialize(
         policy=st.sampled_from(["write_through", "write_back", "write_through_selective"]),
@@ -87,6 +102,8 @@ class TieredTree(RuleBasedStateMachine):
                 storage_size_bytes=12 * lay.bytes_per_page,
             ),
         )
+        if storage:
+            self.pool.hicache.storage = FullDiskStorage(self.pool.hicache.storage)
 
     def _remember(self, tokens: np.ndarray) -> None:
         aligned = len(tokens) - len(tokens) % PAGE
@@ -126,22 +143,30 @@ class TieredTree(RuleBasedStateMachine):
         free_tokens = pool.available_size()
         match = pool.match_prefix_tiers(rid, tokens[:-1])
         assert match.prefix_len == match.device_tokens + match.host_tokens + match.storage_tokens
-        assert match.device_tokens == device_len
-        tail_len, loaded = cached_len - device_len, match.host_tokens + match.storage_tokens
-        assert loaded in (0, tail_len)  # all or nothing
-        if tail_len < LOAD_BACK_THRESHOLD:
-            assert loaded == 0
-        elif tail_len <= free_tokens:
-            assert loaded == tail_len
+        if not self.faulty:  # else a load that failed before may have cut the match
+            assert match.device_tokens == device_len
+            tail_len, loaded = cached_len - device_len, match.host_tokens + match.storage_tokens
+            assert loaded in (0, tail_len)  # all or nothing
+            if tail_len < LOAD_BACK_THRESHOLD:
+                assert loaded == 0
+            elif tail_len <= free_tokens:
+                assert loaded == tail_len
         if match.prefix_len:
             assert tuple(tokens[: match.prefix_len].tolist()) in self.inserted
-        slots = pool.alloc_extend([(rid, len(tokens) - match.prefix_len)])
-        got = pool.buffers.read_slots(pool.slots(rid, 0, match.prefix_len))
-        np.testing.assert_array_equal(got, kv_of(tokens[: match.prefix_len], 0, kv_shape(pool)))
+        prefix_len = match.prefix_len
+        try:
+            slots = pool.alloc_extend([(rid, len(tokens) - prefix_len)])
+        except PrefixCutError as exc:
+            assert self.faulty, exc
+            assert list(exc.cut) == [rid] and exc.cut[rid] < prefix_len
+            prefix_len = exc.cut[rid]  # recompute from the good prefix
+            slots = pool.alloc_extend([(rid, len(tokens) - prefix_len)])
+        got = pool.buffers.read_slots(pool.slots(rid, 0, prefix_len))
+        np.testing.assert_array_equal(got, kv_of(tokens[:prefix_len], 0, kv_shape(pool)))
         if slots is None:
             pool.release(rid, is_insert=False)
             return
-        pool.buffers.write_slots(slots, kv_of(tokens, match.prefix_len, kv_shape(pool)))
+        pool.buffers.write_slots(slots, kv_of(tokens, prefix_len, kv_shape(pool)))
         if keep:
             self.running[rid] = tokens
         else:
@@ -200,6 +225,39 @@ class TieredTree(RuleBasedStateMachine):
     def settle(self) -> None:
         self.pool.settle_copies()
 
+    def _loadable(self) -> list[tuple[int, ...]]:
+        """Sequences inserted before that are long enough to be loaded back."""
+        return sorted(p for p in self.whole if len(p) >= LOAD_BACK_THRESHOLD)
+
+    @precondition(lambda self: self._loadable() and self.pool.hicache.storage is not None)
+    @rule(data=st.data(), kind=st.sampled_from(DAMAGE_KINDS), keep=st.booleans())
+    def damage_and_reload(self, data: st.DataObject, kind: str, keep: bool) -> None:
+        """A page of a sequence inserted before changes behind memsvc's back once the
+        unlocked KV went down to storage; then a request over that sequence."""
+        pool = self.pool
+        prefix = data.draw(st.sampled_from(self._loadable()))
+        pool.evict(pool.evictable_size())
+        pool.hicache.evict_host(pool.hicache.host.num_pages)
+        pool.settle_copies()
+        directory = pool.hicache.storage.directory
+        names = sorted(n for n in os.listdir(directory) if n.endswith(SUFFIX))
+        keys = page_hash_chain("", np.array(prefix, dtype=np.int64), PAGE)
+        ours = [k + SUFFIX for k in keys if k + SUFFIX in names]
+        if ours:
+            name, other = data.draw(st.sampled_from(ours)), data.draw(st.sampled_from(names))
+            offset = data.draw(st.integers(0, 1 << 12))
+            path = os.path.join(directory, name)
+            damage_file(path, kind, os.path.join(directory, other), offset)
+            self.faulty = True
+        self._start(np.array([*prefix, 100], dtype=np.int64), keep)
+
+    @precondition(lambda self: self.pool is not None and self.pool.hicache.storage is not None)
+    @rule(full=st.booleans())
+    def disk_full(self, full: bool) -> None:
+        """Every storage write fails (ENOSPC) from now on, or works again."""
+        self.pool.hicache.storage.full = full
+        self.faulty |= full
+
     @invariant()
     def integrity(self) -> None:
         if self.pool is not None:
@@ -215,6 +273,8 @@ class TieredTree(RuleBasedStateMachine):
                 for rid in list(self.running):
                     self.pool.release(rid, is_insert=False)
                 self.pool.settle_copies()
+                if self.faulty:  # a page deleted behind its back is missing until read
+                    self.pool.flush_cache()
                 self.pool.check_integrity(idle=True)
         finally:
             if self.pool is not None:
