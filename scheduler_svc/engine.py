@@ -84,6 +84,9 @@ class EngineStats:
     tree_retracted_tokens: int = 0
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
+    # ... and admissions undone because such a load failed (a lost or damaged storage page):
+    # each matched again, the shorter prefix now, and recomputed the rest.
+    cut_prefix_reqs: int = 0
     # SGLang's scheduler gauges (scheduler_svc.metrics): the last prefill batch's prefix-cache
     # hit rate (re-prefills of retracted requests left out), and the decode tokens per second
     # over the last GEN_THROUGHPUT_PASSES decode passes, measured at gen_throughput_at.
@@ -308,7 +311,8 @@ class Engine:
         (another session took pages) or the in-progress chunk (admitted
         whatever the budget) does not fit: then admissions are undone from
         the last one until the rest fits; the chunk, first, goes last and is
-        tried again next round.
+        tried again next round. An admission whose prefix load failed in
+        memsvc (``cut``) is undone whatever the room (:meth:`_requeue_cut`).
         """
         chunked = self.chunked
         started = list(started)
@@ -316,8 +320,12 @@ class Engine:
             items = [(r.rid, r.extend_len) for r in started]
             if chunked is not None:
                 items.insert(0, (chunked.rid, chunk_len))
-            if (await self.mem.alloc_extend(items)).fits:
+            result = await self.mem.alloc_extend(items)
+            if result.fits:
                 break
+            if result.cut:
+                started = await self._requeue_cut(started, result.cut)
+                continue
             if not started:
                 return []
             req = started.pop()
@@ -333,6 +341,23 @@ class Engine:
         chunked.continue_prefill(chunk_len)
         self.chunked = None  # until the adder says it is (still) chunked
         return [chunked, *started]
+
+    async def _requeue_cut(self, started: list[Req], cut: dict[str, int]) -> list[Req]:
+        """Undo the admissions whose matched prefix memsvc cut back (a page loaded for
+        it was lost or failed its checksum): they go back to the front of the queue,
+        to match again (the good prefix, on the device now) and recompute the rest.
+        A miss for them alone: the rest of the batch goes on. Returns the rest."""
+        again = [r for r in started if r.rid in cut]
+        for req in again:
+            await self.mem.free_row(req.rid)
+            req.unschedule()
+        self.waiting.extendleft(reversed(again))
+        self.stats.cut_prefix_reqs += len(again)
+        log.warning(
+            "cached prefix of %s failed to load (a storage page lost or damaged): recomputing it",
+            [(r.rid, cut[r.rid]) for r in again],
+        )
+        return [r for r in started if r.rid not in cut]
 
     async def _resume_from_host(self, req: Req, adder: PrefillAdder) -> bool:
         """Re-admit a request whose KV is in the host store: load it back, no prefill."""
