@@ -251,7 +251,11 @@ def add_hicache_arguments(parser: argparse.ArgumentParser) -> None:
     hi.add_argument(
         "--hicache-storage-dir",
         default=HiCacheConfig.storage_dir,
-        help="directory of the storage tier; its page files are discarded when memsvc starts",
+        metavar="PATH",
+        help="base directory of the storage tier (default: $XDG_CACHE_HOME/kvstack/hicache, "
+        "else ~/.cache/kvstack/hicache); it must be yours and not writable by others. Each "
+        "memsvc keeps its pages (0600, checksummed) in a 0700 subdirectory of its own, "
+        "<role>-<pid>-<random>, removed when it stops",
     )
     hi.add_argument(
         "--hicache-storage-size",
@@ -271,6 +275,7 @@ def hicache_config_from_args(args: argparse.Namespace) -> HiCacheConfig | None:
         storage_backend=args.hicache_storage_backend,
         storage_dir=args.hicache_storage_dir,
         storage_size_bytes=int(args.hicache_storage_size * 1e9),
+        storage_role="normal" if args.pd_role == "none" else args.pd_role,
     )
 
 

@@ -250,7 +250,10 @@ HICACHE_FLAGS = [
     Flag(
         "--hicache-storage-dir",
         MEMSVC,
-        "directory of the storage tier (its page files are discarded when memsvc starts)",
+        "base directory of the storage tier (default: $XDG_CACHE_HOME/kvstack/hicache, else "
+        "~/.cache/kvstack/hicache); yours and not writable by others. Each memsvc (both in PD "
+        "mode) keeps its checksummed 0600 pages in a 0700 subdirectory of its own, removed "
+        "when it stops",
         metavar="PATH",
     ),
     Flag(

@@ -211,7 +211,7 @@ def test_memsvc_process_with_host_and_disk_tiers(memsvc_factory, tmp_path) -> No
         mem.flush_cache(device_only=True)  # write_back: device -> host -> (host LRU) disk
         stats = mem.stats()["hicache"]
         assert stats["storage_used_bytes"] > 0 and stats["host_used_bytes"] <= 4 * PAGE_BYTES
-        assert any(n.endswith(SUFFIX) for n in os.listdir(store))
+        assert page_files(store)
         tiers = {"host": 0, "storage": 0}
         for i, tokens in enumerate(convs):
             row = mem.alloc_row(f"again{i}")
@@ -253,20 +253,115 @@ def test_memsvc_process_with_host_and_disk_tiers(memsvc_factory, tmp_path) -> No
             "sglang:load_back_bytes_total",
             'kvstack_hicache_hit_tokens_total{tier="storage"}',
             "kvstack_hicache_storage_used_bytes",
+            "kvstack_hicache_storage_load_failures_total",
+            "kvstack_hicache_storage_write_failures_total",
         ):
             assert name in text, name
         mem.check(idle=True)
-    # restart: the page files outlive memsvc, and the next one discards them
+    # restart: a clean stop removes memsvc's own subdirectory; the next one starts empty
+    (subdir,) = store.iterdir()
+    assert subdir.name.startswith(f"normal-{svc.proc.pid}-")
     assert svc.stop(signal.SIGTERM) == 0
-    assert any(n.endswith(SUFFIX) for n in os.listdir(store))
+    assert list(store.iterdir()) == []
     svc2 = memsvc_factory(*flags, name="memsvc-2")
     with MemClient(svc2.address) as mem:
-        assert not any(n.endswith(SUFFIX) for n in os.listdir(store))
+        assert page_files(store) == []
         mem.alloc_row("late")
         match = mem.match_prefix_tiers("late", convs[0][:-1])
         assert match.prefix_len == 0
         mem.free_row("late")
         mem.check(idle=True)
+
+
+def page_files(store) -> list:
+    return sorted(store.rglob("*" + SUFFIX))
+
+
+def fill_storage(mem: MemClient, pool, tag: str) -> list[np.ndarray]:
+    """Requests whose KV ends up in the storage tier (the host tier is 4 pages)."""
+    convs = [np.arange(100 * i, 100 * i + 17) for i in range(1, 7)]
+    for i, tokens in enumerate(convs):
+        rid = f"{tag}{i}"
+        row = mem.alloc_row(rid)
+        assert mem.match_prefix(rid, tokens[:-1]) == 0
+        assert mem.alloc_extend([(rid, len(tokens))]).fits
+        write_kv(pool, row, 0, tokens)
+        mem.release(rid, tokens)
+    mem.flush_cache(device_only=True)
+    assert mem.stats()["hicache"]["storage_used_bytes"] > 0
+    return convs
+
+
+def test_memsvc_on_a_shared_storage_dir_keeps_to_its_own(memsvc_factory, tmp_path) -> None:
+    """Issue 26 item 5: two memsvc on one --hicache-storage-dir (the PD nodes, a second
+    stack). Before: the second deleted the first one's pages at start, and each one's idle
+    check counted the other's files. Each keeps to its own subdirectory now; one killed
+    leaves its subdirectory, which the next memsvc there removes, never a live one's."""
+    store = tmp_path / "store"
+    flags = [
+        "--enable-hierarchical-cache", "--hicache-size", f"{4 * PAGE_BYTES / 1e9:.12f}",
+        "--hicache-write-policy", "write_back", "--hicache-storage-backend", "file",
+        "--hicache-storage-dir", str(store),
+    ]  # fmt: skip
+    first = memsvc_factory(*flags, name="memsvc-a")
+    second = memsvc_factory(*flags, name="memsvc-b")
+    with MemClient(first.address) as mem, mem.attach() as pool:
+        convs = fill_storage(mem, pool, "a")
+    with MemClient(second.address) as mem, mem.attach() as pool:
+        fill_storage(mem, pool, "b")
+        mem.check(idle=True)
+    subdirs = {int(p.name.split("-")[1]): p for p in store.iterdir()}
+    assert set(subdirs) == {first.proc.pid, second.proc.pid}
+    assert second.stop(signal.SIGKILL) != 0  # dies with its pages on disk
+    second.leaked_segments.clear()  # killed on purpose: the launcher unlinked its segments
+    mine = page_files(subdirs[first.proc.pid])
+    third = memsvc_factory(*flags, name="memsvc-c")  # removes the dead one's subdirectory
+    assert not subdirs[second.proc.pid].exists()
+    assert page_files(subdirs[first.proc.pid]) == mine
+    with MemClient(first.address) as mem, mem.attach() as pool:
+        mem.check(idle=True)  # its files == its index: nothing stray, nothing missing
+        storage_hits = 0
+        for i, tokens in enumerate(convs[-3:]):  # the newest: the storage cap kept them
+            row = mem.alloc_row(f"again{i}")
+            match = mem.match_prefix_tiers(f"again{i}", tokens[:-1])
+            assert match.prefix_len == 16, match
+            storage_hits += match.storage_hit
+            assert mem.alloc_extend([(f"again{i}", 1)]).fits
+            np.testing.assert_array_equal(
+                read_kv(pool, row, 16), tokens[:16] * 1000 + np.arange(16)
+            )
+            mem.free_row(f"again{i}")
+        assert storage_hits > 0
+        mem.check(idle=True)
+    assert first.stop(signal.SIGTERM) == 0 and third.stop(signal.SIGTERM) == 0
+    assert list(store.iterdir()) == []
+
+
+def test_memsvc_refuses_a_storage_dir_others_can_write(memsvc_factory, tmp_path) -> None:
+    """Issue 26 item 4: memsvc started on a 0777 directory, silently."""
+    store = tmp_path / "open"
+    store.mkdir()
+    store.chmod(0o777)
+    out = subprocess.run(
+        [sys.executable, "-m", "memsvc", *SMALL_POOL, "--enable-hierarchical-cache",
+         "--hicache-storage-backend", "file", "--hicache-storage-dir", str(store)],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "writable by others" in out.stderr and str(store) in out.stderr
+    assert list(store.iterdir()) == []
+
+
+def test_pd_roles_name_the_storage_subdirectories(tmp_path) -> None:
+    from memsvc.__main__ import build_parser, hicache_config_from_args
+
+    for role, name in (("none", "normal"), ("prefill", "prefill"), ("decode", "decode")):
+        args = build_parser().parse_args(
+            [*SMALL_POOL, "--enable-hierarchical-cache", "--pd-role", role]
+        )
+        config = hicache_config_from_args(args)
+        assert config.storage_role == name and config.storage_dir is None
 
 
 def test_memsvc_flags_help_and_bad_combinations(tmp_path) -> None:
