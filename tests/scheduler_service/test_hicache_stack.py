@@ -21,7 +21,7 @@ import pytest
 from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateResult
-from tests.procs import Stack, start_stack
+from tests.procs import SMALL_POOL, Stack, start_stack
 
 PAGE_SIZE = 4
 # 36 pages = 144 tokens: one chat's longest turn, under a quarter of the working set.
@@ -236,3 +236,117 @@ def test_retract_goes_into_the_tree_and_back(launcher, checkpoint, radix_stack) 
     hicache = mem_stats(stack)["hicache"]
     assert hicache["backup_bytes"] > 0
     assert_idle(stack)
+
+
+# -- the storage tier under attack (issue 26) ------------------------------------------------
+
+STORAGE = [
+    "--enable-hierarchical-cache",
+    "--hicache-ratio",
+    "1",
+    "--hicache-storage-backend",
+    "file",
+]
+NUM_PROMPTS, PROMPT_LEN = 10, 40
+
+
+def storage_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(PROMPT_LEN)] for _ in range(NUM_PROMPTS + 1)]
+
+
+def generate_all(address: str, prompts: list[list[int]], tag: str) -> list[GenerateResult]:
+    """One request after another (so the oldest prompts' KV goes down to disk)."""
+    with GenerateClient(address, timeout_s=120) as client:
+        return [client.generate(p, rid=f"{tag}{i}", sampling=GREEDY) for i, p in enumerate(prompts)]
+
+
+def both_at_once(address: str, first: list[int], second: list[int]) -> list[GenerateResult]:
+    """``first`` (long: still running), then ``second`` 50 ms later."""
+
+    async def go() -> list[GenerateResult]:
+        async with AsyncGenerateClient(address, timeout_s=120) as client:
+
+            async def later() -> GenerateResult:
+                await asyncio.sleep(0.05)
+                return await client.generate(second, rid="again", sampling=GREEDY)
+
+            long = {**GREEDY, "max_new_tokens": 40}
+            return list(
+                await asyncio.gather(
+                    client.generate(first, rid="unrelated", sampling=long), later()
+                )
+            )
+
+    return asyncio.run(go())
+
+
+def page_files(disk: Path) -> list[Path]:
+    return sorted(disk.rglob("*.kvpage"))
+
+
+@pytest.mark.parametrize("fault", ["delete", "flip"])
+def test_lost_or_corrupt_page_files_are_misses(launcher, checkpoint, tmp_path, fault) -> None:
+    """Issue 26 items 1-2. After ten prompts, every page file is deleted (or has bits
+    flipped); then an unrelated request and, 50 ms later, prompt 0 again. Before: both
+    ended in ``abort`` with "scheduler could not continue: CopyFailedError" (delete), or
+    wrong tokens were served from the flipped pages with ``storage`` hits (flip). Now:
+    both finish with the tokens of the first pass, prompt 0's damaged pages are misses,
+    and the pool passes the idle check (page files == the tree's index)."""
+    disk = tmp_path / "disk"
+    stack = start_stack(
+        launcher, checkpoint, [*POOL, *STORAGE, "--hicache-storage-dir", str(disk)], name="-st"
+    )
+    prompts = storage_prompts(26)
+    unrelated = prompts.pop()
+    first = generate_all(stack.scheduler.address, prompts, "p")
+    files = page_files(disk)
+    assert files, "nothing reached the storage tier"
+    for path in files:
+        if fault == "delete":
+            path.unlink()
+        else:
+            data = bytearray(path.read_bytes())
+            for at in range(0, len(data), 97):
+                data[at] ^= 0x5A
+            path.write_bytes(bytes(data))
+    reference = generate_all(stack.scheduler.address, [unrelated], "ref")[0].output_ids
+    alone, again = both_at_once(stack.scheduler.address, unrelated, prompts[0])
+    for result in (alone, again):
+        assert result.finish_reason.get("type") == "length", result.meta_info
+    assert alone.output_ids[: len(reference)] == reference
+    assert again.output_ids == first[0].output_ids
+    assert (again.meta_info.get("cached_tokens_details") or {}).get("storage", 0) == 0
+    assert mem_stats(stack)["hicache"]["storage_load_failures"] > 0  # prompt 0 met them
+    later = generate_all(stack.scheduler.address, prompts, "q")  # every other prompt too
+    assert [r.output_ids for r in later] == [r.output_ids for r in first]
+    assert_idle(stack)
+
+
+def test_pd_nodes_on_one_storage_dir_never_collide(launcher, checkpoint, tmp_path) -> None:
+    """Issue 26 item 5: both PD memsvc got the same --hicache-storage-dir; memsvc-P's idle
+    check counted memsvc-D's pages as stray, and a memsvc restarted there (or a second
+    stack) deleted every page at start. Each has its own subdirectory now."""
+    disk = tmp_path / "disk"
+    flags = [*POOL, *STORAGE, "--hicache-storage-dir", str(disk)]
+    up = launcher.start_pd_stack(checkpoint, flags, transfer_backend="zmq")
+    prompts = storage_prompts(5)
+    first = generate_all(up["router"].address, prompts, "p")
+    roles = sorted(p.name.split("-")[0] for p in disk.iterdir())
+    assert roles == ["decode", "prefill"]
+    for name in ("memsvc-p", "memsvc-d"):
+        with MemClient(up[name].address) as mem:
+            mem.check(idle=True)
+    before = page_files(disk)
+    assert before, "nothing reached the storage tier"
+    # a memsvc started later on the same directory (a restart, another stack)
+    other = launcher.start("memsvc", *SMALL_POOL, *STORAGE, "--hicache-storage-dir", str(disk))
+    assert page_files(disk) == before
+    with MemClient(up["memsvc-p"].address) as mem:
+        mem.check(idle=True)
+    again = generate_all(up["router"].address, prompts, "q")
+    assert [r.output_ids for r in again] == [r.output_ids for r in first]
+    for name in ("memsvc-p", "memsvc-d"):
+        with MemClient(up[name].address) as mem:
+            mem.check(idle=True)
+    assert other.stop() == 0
