@@ -505,16 +505,23 @@ def _lose_storage_pages(tmp_path, pool: KVPool, tokens: np.ndarray) -> None:
         os.unlink(os.path.join(directory, name))
 
 
-def test_failed_storage_load_cuts_the_prefix_of_its_holders(tmp_path):
-    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
-    tokens = seq(100, 3)
-    _lose_storage_pages(tmp_path, pool, tokens)
+def two_holders_of_one_load(pool: KVPool, tokens: np.ndarray) -> None:
+    """Requests "a" and "b" match ``tokens``' 12-token storage-only prefix while its load
+    is held back (b shares a's load); then the load runs and ends."""
     slow = SlowCopies(pool)
     pool.open_request("a")
     pool.open_request("b")
     assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
-    assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 12  # shares a's load
+    assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 12
     slow.gate.set()
+    pool.settle_copies()
+
+
+def test_failed_storage_load_cuts_the_prefix_of_its_holders(tmp_path):
+    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
+    tokens = seq(100, 3)
+    _lose_storage_pages(tmp_path, pool, tokens)
+    two_holders_of_one_load(pool, tokens)
     with pytest.raises(PrefixCutError, match="failed to load") as cut:
         pool.alloc_extend([("a", 1)])
     assert cut.value.cut == {"a": 0}  # every page was lost: nothing of it is kept

@@ -33,6 +33,7 @@ from tests.core.test_hicache import (
     make_pool,
     run_request,
     seq,
+    two_holders_of_one_load,
 )
 
 pytestmark = pytest.mark.timeout(60)  # a FIFO planted as a page must not hang a read
@@ -136,12 +137,16 @@ def damage(pool: KVPool, keys: list[str], kind: str) -> None:
         damage_file(path, kind, good, offset=os.path.getsize(path) // 3)
 
 
+@pytest.mark.parametrize("backend", ["file", "nixl"])
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_page_is_never_served(tmp_path, kind):
+def test_damaged_page_is_never_served(tmp_path, kind, backend):
     """Issue 26 item 2: a page file that no longer holds its page (bits flipped, zeroed,
     cut short, another page's bytes, a link, not a file). Before: served as KV (corrupt,
-    zero, swap, symlink), or ``CopyFailedError`` (the rest; a FIFO hung the copy thread)."""
-    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
+    zero, swap, symlink), or ``CopyFailedError`` (the rest; a FIFO hung the copy thread).
+    The checks live in the shared layer: NIXL's POSIX plugin moves the same sealed records."""
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12")
+    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage=backend)
     tokens = seq(110, 3)
     keys = store_only(pool, tokens)
     damage(pool, keys, kind)
@@ -162,25 +167,6 @@ def test_damaged_page_is_never_served(tmp_path, kind):
     finish(pool)
 
 
-@pytest.mark.parametrize("kind", ["corrupt", "swap", "truncate", "symlink"])
-def test_nixl_backend_verifies_as_the_file_backend_does(tmp_path, kind):
-    """The checks live in the shared layer: NIXL's POSIX plugin moves the same sealed
-    records, and a damaged one is a miss there too."""
-    pytest.importorskip("nixl_cu12")
-    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="nixl")
-    tokens = seq(115, 3)
-    keys = store_only(pool, tokens)
-    damage(pool, keys, kind)
-    slow = SlowCopies(pool)
-    pool.open_request("a")
-    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
-    slow.gate.set()
-    assert expect_cut(pool, [("a", 1)]) == {"a": PAGE}
-    recompute(pool, "a", tokens)
-    assert run_request(pool, "again", tokens).device_tokens == 12
-    finish(pool)
-
-
 def test_failure_seen_at_another_match_cuts_every_holder(tmp_path):
     """The load fails while two requests hold the prefix; a third request's match sees it
     first. Each holder learns its own cut at its own alloc_extend, and only there."""
@@ -188,13 +174,7 @@ def test_failure_seen_at_another_match_cuts_every_holder(tmp_path):
     tokens = seq(120, 3)
     keys = store_only(pool, tokens)
     damage(pool, keys, "corrupt")
-    slow = SlowCopies(pool)
-    pool.open_request("a")
-    pool.open_request("b")
-    assert pool.match_prefix_tiers("a", tokens[:-1]).storage_tokens == 12
-    assert pool.match_prefix_tiers("b", tokens[:-1]).prefix_len == 12  # shares a's load
-    slow.gate.set()
-    pool.settle_copies()
+    two_holders_of_one_load(pool, tokens)
     pool.open_request("c")
     assert pool.match_prefix_tiers("c", tokens[:-1]).prefix_len == PAGE  # sees the failure
     assert pool.request("a").kv_len == PAGE and pool.request("b").kv_len == PAGE
