@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -62,7 +64,11 @@ class Front:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
-def start_front(workdir: Path, name: str, *args: str, timeout: float = 120) -> Front:
+def start_front(
+    workdir: Path, name: str, *args: str, timeout: float = 120, nofile: int | None = None
+) -> Front:
+    """``kvstack serve *args``, once its ready file says it listens; ``nofile``: its
+    open-file limit (RLIMIT_NOFILE, soft and hard)."""
     ready = workdir / f"{name}.ready"
     log_path = workdir / f"{name}.log"
     command = [
@@ -85,6 +91,7 @@ def start_front(workdir: Path, name: str, *args: str, timeout: float = 120) -> F
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env={**os.environ, **child_env(), "PYTHONPATH": str(REPO)},
+            preexec_fn=None if nofile is None else functools.partial(_limit_files, nofile),
         )
     deadline = time.monotonic() + timeout
     while not ready.exists():
@@ -93,6 +100,10 @@ def start_front(workdir: Path, name: str, *args: str, timeout: float = 120) -> F
             pytest.fail(f"kvstack serve {name} did not start:\n{log_path.read_text()}")
         time.sleep(0.05)
     return Front(proc, json.loads(ready.read_text()), log_path)
+
+
+def _limit_files(nofile: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
 
 def stop_front(front: Front, sig: int = signal.SIGTERM, timeout: float = 60) -> int:

@@ -18,9 +18,7 @@ compose starts them, ``--scheduler``) are attacked with such connections:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -34,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from kvstack.stack.launch import Launcher
-from tests.http.test_http_front import Front, stop_front
+from tests.http.test_http_front import start_front, stop_front
 from tests.procs import REPO, start_stack
 from tests.scheduler_service.test_normal_mode import SMALL_POOL
 
@@ -51,37 +49,9 @@ def scheduler(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Ite
         yield start_stack(launcher, checkpoint, SMALL_POOL).scheduler.address
 
 
-def serve(workdir: Path, *args: str, nofile: int | None = None) -> Front:
-    """``kvstack serve`` (a front of ``--scheduler``), its open-file limit ``nofile``."""
-    ready, log_path = workdir / "front.ready", workdir / "front.log"
-
-    def limit() -> None:
-        if nofile is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    command = [sys.executable, "-m", "kvstack.cli", "serve", "--port", "0"]
-    command += ["--ready-file", str(ready), "--log-level", "WARNING", *args]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            preexec_fn=limit,
-        )
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_front(Front(proc, {}, log_path))
-            pytest.fail(f"kvstack serve did not start:\n{log_path.read_text()}")
-        time.sleep(0.05)
-    return Front(proc, json.loads(ready.read_text()), log_path)
-
-
 @contextlib.contextmanager
 def front_of(scheduler: str, workdir: Path, *args: str, nofile: int | None = None) -> Iterator:
-    front = serve(workdir, "--scheduler", scheduler, *args, nofile=nofile)
+    front = start_front(workdir, "front", "--scheduler", scheduler, *args, nofile=nofile)
     try:
         yield front
     finally:
