@@ -36,6 +36,14 @@ scenarios (:data:`PD_KINDS`):
                              scheduler
 ==========================  ===================================================
 
+With ``storage=True`` (either mode) every memsvc runs the hierarchical cache with
+a file storage tier, all of them on one ``--hicache-storage-dir`` (issue 26: the
+PD nodes', and a restarted memsvc's, pages must never collide), and one more
+kind, ``damage_storage``: before the workload starts, every memsvc flushes its
+device tier (what it cached goes down to host and disk), then a seeded half of
+the page files there are flipped, zeroed, cut short, swapped or linked: the
+requests that meet them recompute what they lose, and the tokens do not change.
+
 After each scenario it checks: every request finished with the reference
 tokens (and its stream delivered each token once, in order) or ended with an
 explicit error; none was lost (the harness deadline is the only way to be
@@ -67,6 +75,7 @@ from kvstack.up.supervisor import RestartPolicy, Supervisor
 from memsvc.client import MemClient
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
+from tests.core.storage_faults import damage_file
 from tests.faults.proxy import FaultPlan, FaultProxy
 
 PAGE_SIZE = 4
@@ -136,6 +145,19 @@ PD_SERVICES = (
     "router",
 )
 PD_KINDS = (*(f"kill_{name}" for name in PD_SERVICES), "stall", "wire")
+# storage=True: the file tier, all memsvc on one base directory, and its own fault kind.
+STORAGE_ARGS = [
+    "--enable-hierarchical-cache",
+    "--hicache-ratio",
+    "0.32",  # a host tier a third of the pool (the long prompt fits): the rest goes to disk
+    "--hicache-storage-backend",
+    "file",
+]
+STORAGE_KIND = "damage_storage"
+# A deleted page is a miss too, but one never read again stays "missing" for the idle
+# check (which compares the files with the index): the kinds that leave a file in place.
+STORAGE_DAMAGE = ("truncate", "corrupt", "zero", "swap", "symlink")
+STORAGE_DAMAGED_SHARE = 0.5
 PD_STALL_TARGETS = ("scheduler-p", "memsvc-d", "model_svc-d")
 STALL_S.update(
     {
@@ -290,10 +312,13 @@ class FaultHarness:
         *,
         checkpoint: str | None = None,
         mode: str = "normal",
+        storage: bool = False,
     ) -> None:
         self.workdir = Path(workdir)
         self.seed = seed
         self.mode = mode
+        self.storage_dir = self.workdir / "disk" if storage else None
+        tier = [*STORAGE_ARGS, "--hicache-storage-dir", str(self.storage_dir)] if storage else []
         self.rng = random.Random(seed)
         self.jobs = workload(seed)
         self.reference: dict[str, list[int]] = {}
@@ -312,6 +337,7 @@ class FaultHarness:
             self.late = {job.name for job in self.jobs[-PD_LATE_JOBS:]}
             self.late_after = PD_LATE_AFTER_TOKENS
             self.kinds, self.services, self.stall_targets = PD_KINDS, PD_SERVICES, PD_STALL_TARGETS
+            self.kinds += (STORAGE_KIND,) if storage else ()
             self.proxies = {
                 "decode": FaultProxy(
                     f"ipc://{run_dir}/via-decode.sock",
@@ -322,7 +348,7 @@ class FaultHarness:
             }
             options = StackOptions(
                 checkpoint=checkpoint,
-                memsvc_args=PD_POOL,
+                memsvc_args=[*PD_POOL, *tier],
                 decode_memsvc_args=PD_DECODE_POOL,
                 scheduler_args=SCHEDULER,
                 decode_scheduler_args=PD_DECODE_SCHEDULER,
@@ -343,6 +369,7 @@ class FaultHarness:
             )
             return
         self.kinds, self.services, self.stall_targets = KINDS, SERVICES, SERVICES
+        self.kinds += (STORAGE_KIND,) if storage else ()
         self.proxies = {
             "memsvc": FaultProxy(
                 f"ipc://{run_dir}/via-memsvc.sock",
@@ -366,7 +393,7 @@ class FaultHarness:
         }
         options = StackOptions(
             checkpoint=checkpoint,
-            memsvc_args=POOL,
+            memsvc_args=[*POOL, *tier],
             scheduler_args=SCHEDULER,
             env=SCHEDULER_ENV,
             via={name: self.proxies[name].front for name in ("memsvc", "model_svc")},
@@ -456,6 +483,8 @@ class FaultHarness:
         via_proxy = scenario.kind == "wire" and "client" in self.proxies
         address = self.proxies["client"].front if via_proxy else self.scheduler
         progress = _Progress(scenario.trigger_tokens, self.late_after)
+        if scenario.kind == STORAGE_KIND:  # before any request: the first matches meet it
+            self._damage_storage(scenario, faults)
         outcomes = asyncio.run(
             self._drive(address, f"s{scenario.index}", progress, (scenario, faults))
         )
@@ -606,6 +635,20 @@ class FaultHarness:
         for name, proxy in self.proxies.items():
             for kind, count in (proxy.counts - before[name]).items():
                 faults[f"wire_{kind}"] += count
+
+    def _damage_storage(self, scenario: Scenario, faults: Counter) -> None:
+        """Damage a seeded share of the page files (of every memsvc) in one seeded way, once
+        each memsvc flushed its device tier (so that the next matches load from below)."""
+        for name in self.memsvcs:
+            with MemClient(self.supervisor.address(name), timeout_s=5) as mem:
+                mem.flush_cache(device_only=True)
+        rng = random.Random(self.seed * 1000 + scenario.index)
+        kind = rng.choice(STORAGE_DAMAGE)
+        files = sorted(self.storage_dir.rglob("*.kvpage"))
+        for path in rng.sample(files, int(len(files) * STORAGE_DAMAGED_SHARE)):
+            with contextlib.suppress(OSError):  # replaced or deleted by memsvc meanwhile
+                damage_file(str(path), kind, str(rng.choice(files)), rng.randrange(1 << 12))
+                faults[f"storage_{kind}"] += 1
 
     def _signal(self, name: str, sig: int) -> None:
         pid = self.supervisor.pid(name)

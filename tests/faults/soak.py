@@ -17,7 +17,14 @@ import shutil
 import sys
 import time
 
-from tests.faults.harness import KINDS, PD_KINDS, FaultHarness, Totals, temp_workdir
+from tests.faults.harness import (
+    KINDS,
+    PD_KINDS,
+    STORAGE_KIND,
+    FaultHarness,
+    Totals,
+    temp_workdir,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,20 +37,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kinds",
         nargs="+",
-        choices=sorted(set(KINDS) | set(PD_KINDS)),
+        choices=sorted({*KINDS, *PD_KINDS, STORAGE_KIND}),
         default=None,
         help="draw only these scenario kinds (of the mode's)",
     )
+    parser.add_argument(
+        "--storage",
+        action="store_true",
+        help="every memsvc with the hierarchical cache and a file storage tier, all on one "
+        f"directory, and the {STORAGE_KIND} kind",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs)")
     args = parser.parse_args(argv)
-    allowed = PD_KINDS if args.mode == "pd" else KINDS
+    allowed = (*(PD_KINDS if args.mode == "pd" else KINDS), *([STORAGE_KIND] * args.storage))
     if args.kinds and not set(args.kinds) <= set(allowed):
         parser.error(f"--mode {args.mode} has the kinds {', '.join(allowed)}")
     workdir = temp_workdir()
     totals = Totals()
     started = time.monotonic()
     try:
-        with FaultHarness(workdir, args.seed, mode=args.mode) as harness:
+        with FaultHarness(workdir, args.seed, mode=args.mode, storage=args.storage) as harness:
             for index in range(args.scenarios):
                 kind = harness.rng.choice(args.kinds) if args.kinds else None
                 result = harness.run(harness.scenario(index, kind))
@@ -66,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     seconds = round(time.monotonic() - started, 1)
-    summary = {"mode": args.mode, "seed": args.seed, **totals.as_dict(), "seconds": seconds}
+    summary = {
+        "mode": args.mode,
+        "storage": args.storage,
+        "seed": args.seed,
+        **totals.as_dict(),
+        "seconds": seconds,
+    }
     print(json.dumps(summary), flush=True)
     bad = totals.lost or totals.mismatched or totals.pages_leaked or totals.host_bytes_left
     return 1 if bad or totals.problems else 0

@@ -1,12 +1,14 @@
 """Fault injection against supervised stacks: normal mode, one scenario per fault kind,
-and PD mode, three scenarios.
+PD mode, three scenarios, and PD mode with the file storage tier on one directory for
+both memsvc (issue 26), three more.
 
 One stack per mode serves its scenarios (a fault must not break the next one
 either); each scenario runs the pressure workload (retracts included) and
 injects its fault at a seeded point, then the harness checks tokens against
-the fault-free reference, the idle invariant (of both memsvc in PD mode),
-leaks and leftovers. The longer, random mix is ``python -m tests.faults.soak``
-(``--mode pd`` for the PD stack).
+the fault-free reference, the idle invariant (of both memsvc in PD mode, page
+files included with the storage tier), leaks and leftovers. The longer, random
+mix is ``python -m tests.faults.soak`` (``--mode pd`` for the PD stack,
+``--storage`` for the file tier).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from memsvc.client import MemClient
 from tests.faults.harness import FaultHarness, ScenarioResult, temp_workdir
 
 SEED = 7
@@ -23,10 +26,10 @@ SEED = 7
 pytestmark = pytest.mark.timeout(600)
 
 
-def _harness(mode: str) -> Iterator[FaultHarness]:
+def _harness(mode: str, *, storage: bool = False) -> Iterator[FaultHarness]:
     workdir = temp_workdir()
     try:
-        with FaultHarness(workdir, SEED, mode=mode) as running:
+        with FaultHarness(workdir, SEED, mode=mode, storage=storage) as running:
             yield running
         assert not running.leftovers, running.leftovers
     finally:
@@ -41,6 +44,12 @@ def harness() -> Iterator[FaultHarness]:
 @pytest.fixture(scope="module")
 def pd_harness() -> Iterator[FaultHarness]:
     yield from _harness("pd")
+
+
+@pytest.fixture(scope="module")
+def pd_storage_harness() -> Iterator[FaultHarness]:
+    """The PD stack with the file storage tier, both memsvc on one directory."""
+    yield from _harness("pd", storage=True)
 
 
 def check(result: ScenarioResult, fault: str | None) -> None:
@@ -122,3 +131,47 @@ def test_pd_damaged_messages_between_router_and_decode(pd_harness: FaultHarness)
     result = pd_harness.run(pd_harness.scenario(3, "wire"))
     assert sum(result.faults.values()) >= 10, f"too few faults injected: {dict(result.faults)}"
     check(result, None)
+
+
+# -- PD mode with the file storage tier, both memsvc on one directory (issue 26) ----------
+
+
+def storage_roles(harness: FaultHarness) -> list[str]:
+    return sorted(p.name.split("-")[0] for p in harness.storage_dir.iterdir())
+
+
+def load_failures(harness: FaultHarness) -> int:
+    total = 0
+    for name in harness.memsvcs:
+        with MemClient(harness.supervisor.address(name)) as mem:
+            total += mem.stats()["hicache"].get("storage_load_failures", 0)
+    return total
+
+
+def test_pd_file_tier_damaged_pages(pd_storage_harness: FaultHarness) -> None:
+    """Half the page files damaged under both memsvc before the workload runs again: the
+    requests that meet them (on the prefill node) recompute, the tokens do not change,
+    nothing is aborted. Before: wrong tokens, or every live request aborted."""
+    before = load_failures(pd_storage_harness)
+    result = pd_storage_harness.run(pd_storage_harness.scenario(4, "damage_storage"))
+    assert sum(result.faults.values()) > 0, dict(result.faults)
+    check(result, None)
+    assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
+    assert load_failures(pd_storage_harness) > before, "no damaged page was met"
+
+
+def test_pd_file_tier_decode_memsvc_killed(pd_storage_harness: FaultHarness) -> None:
+    """The kill matrix with the file tier: memsvc-D killed and restarted on the shared
+    directory. Before: its restart deleted every page there, memsvc-P's included, and
+    memsvc-P's idle check counted memsvc-D's pages as stray in every round."""
+    harness = pd_storage_harness
+    assert storage_roles(harness) == ["decode", "prefill"]
+    result = harness.run(harness.scenario(5, "kill_memsvc-d", trigger=60))
+    check(result, "sigkill_memsvc-d")  # both idle checks included (files == index)
+    assert storage_roles(harness) == ["decode", "prefill"]  # the dead one's dir is gone
+
+
+def test_pd_file_tier_prefill_memsvc_killed(pd_storage_harness: FaultHarness) -> None:
+    result = pd_storage_harness.run(pd_storage_harness.scenario(6, "kill_memsvc-p", trigger=10))
+    check(result, "sigkill_memsvc-p")
+    assert storage_roles(pd_storage_harness) == ["decode", "prefill"]
