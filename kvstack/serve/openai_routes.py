@@ -27,6 +27,7 @@ from kvstack.serve.api import (
     stream_text,
 )
 from scheduler_svc.client import Chunk, GenerateResult
+from scheduler_svc.protocol import MAX_PROMPT_TOKENS
 
 
 class OpenAIRoutes:
@@ -97,6 +98,14 @@ class OpenAIRoutes:
             rendered = template.render(body.messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
             raise ApiError(400, "invalid_request", str(exc), param="messages") from None
+        if len(rendered) > MAX_PROMPT_TOKENS:  # as /generate's text: tokenizing costs by length
+            raise ApiError(
+                400,
+                "invalid_request",
+                f"messages: the conversation is {len(rendered)} characters as a prompt; at "
+                f"most {MAX_PROMPT_TOKENS}",
+                param="messages",
+            )
         return body, self.tokenizer.encode(rendered, add_bos=False)
 
     async def _context_len(self) -> int:

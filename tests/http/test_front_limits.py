@@ -19,6 +19,7 @@ import json
 import re
 import time
 import tracemalloc
+import urllib.request
 from typing import Any
 
 import pytest
@@ -142,6 +143,71 @@ def test_health_answers_while_a_large_body_is_parsed() -> None:
     status, worst_gap, num_answers = asyncio.run(go())
     assert status == 400
     assert worst_gap < 2.5, f"/health waited {worst_gap:.2f} s ({num_answers} answers)"
+
+
+class _SlowChatTokenizer(ByteTokenizer):
+    """The byte tokenizer with a chat template, whose ``encode`` takes ``seconds`` (off the
+    GIL, as the tokenizers package's does) and is counted."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.num_encoded = seconds, 0
+
+        class Template:
+            def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+                return "".join(m["content"] for m in messages)
+
+        self.chat_template = Template()
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        self.num_encoded += 1
+        time.sleep(self.seconds)
+        return super().encode(text[:100], add_bos=add_bos)
+
+
+def test_a_chat_is_tokenized_off_the_event_loop() -> None:
+    """A 12 MB chat message kept the loop busy for 64-112 s: tokenizing ran on it. Here
+    tokenizing takes 3 s, and ``/health`` is asked (from another thread) meanwhile."""
+    tokenizer = _SlowChatTokenizer(seconds=3.0)
+    body = {"messages": [{"role": "user", "content": "a" * 200_000}], "max_tokens": 1}
+
+    def health_while_tokenizing(url: str) -> tuple[int, float]:
+        while tokenizer.num_encoded == 0:
+            time.sleep(0.01)
+        started = time.monotonic()
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, time.monotonic() - started
+
+    async def go() -> tuple[int, float]:
+        front = _front()
+        front.tokenizer = tokenizer
+        async with TestClient(TestServer(front.app())) as http:
+            health = asyncio.ensure_future(
+                asyncio.to_thread(health_while_tokenizing, str(http.make_url("/health")))
+            )
+            chat = asyncio.ensure_future(http.post("/v1/chat/completions", json=body))
+            got = await health
+            chat.cancel()
+            return got
+
+    status, seconds = asyncio.run(go())
+    assert status == 200 and seconds < 1.5, f"/health waited {seconds:.2f} s for the tokenizer"
+
+
+def test_a_chat_longer_than_a_prompt_can_be_is_refused_before_tokenizing() -> None:
+    tokenizer = _SlowChatTokenizer(seconds=0.0)
+    body = {"messages": [{"role": "user", "content": "a" * ((1 << 20) + 1)}], "max_tokens": 1}
+
+    async def go() -> tuple[int, dict]:
+        front = _front()
+        front.tokenizer = tokenizer
+        async with TestClient(TestServer(front.app())) as http:
+            response = await http.post("/v1/chat/completions", json=body)
+            return response.status, await response.json()
+
+    status, reply = asyncio.run(go())
+    assert status == 400 and reply["param"] == "messages", reply
+    assert str(1 << 20) in reply["message"], reply
+    assert tokenizer.num_encoded == 0
 
 
 # -- item 7: batch amplification ------------------------------------------------------------------
