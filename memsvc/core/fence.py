@@ -40,6 +40,16 @@ class DoneFence:
 DONE = DoneFence()
 
 
+class FailedFence(DoneFence):
+    """A copy that ran synchronously and failed (``error`` says how)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self._error = error
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+
 class FutureFence:
     """A copy running on a thread pool (the shm backend's copy thread)."""
 

@@ -77,7 +77,7 @@ import numpy as np
 from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
 from memsvc.core.backends.base import KVBuffers
 from memsvc.core.errors import IntegrityError, InvalidArgumentError, StoredPageError
-from memsvc.core.fence import DONE, CopyFence
+from memsvc.core.fence import DONE, CopyFence, FailedFence
 from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_len
 from memsvc.core.storage import StorageBackend, create_storage
 
@@ -305,7 +305,10 @@ class HiRadixCache(RadixCache):
     # -- copies ------------------------------------------------------------------
 
     def _submit(self, fn: Callable[..., Any], *args: Any, pool_pages: bool) -> CopyFence:
-        fence = self.buffers.submit(fn, *args)
+        try:
+            fence = self.buffers.submit(fn, *args)
+        except StoredPageError as exc:  # a backend that copies at once (cuda): as if later
+            fence = FailedFence(exc)
         self._last_fence = fence
         if pool_pages and not fence.done():
             # Pages freed from now on wait for it. (A copy that ran synchronously must not

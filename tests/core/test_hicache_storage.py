@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from memsvc.core import KVPool
+from memsvc.core.backends.base import KVBuffers
 from memsvc.core.errors import InvalidArgumentError, MemsvcError
 from memsvc.core.hicache import HiCacheConfig, page_hash_chain
 from memsvc.core.storage.file import SUFFIX
@@ -163,6 +164,25 @@ def test_damaged_page_is_never_served(tmp_path, kind, backend):
         os.rmdir(page_path(pool, keys[1]))  # not ours to delete: memsvc leaves it
     elif kind in ("symlink", "fifo"):
         assert not os.path.exists(page_path(pool, keys[1]))  # dropped with the page
+    assert run_request(pool, "again", tokens).device_tokens == 12
+    finish(pool)
+
+
+def test_a_backend_that_copies_synchronously_misses_the_same_way(tmp_path):
+    """The cuda backend runs hicache copies at once (``KVBuffers.submit``): a load that
+    meets a bad page fails inside the match itself. Before: the error left the match,
+    and the scheduler took it for a fault it could not repair."""
+    pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage="file")
+    tokens = seq(118, 3)
+    keys = store_only(pool, tokens)
+    damage(pool, keys, "corrupt")
+    buffers = pool.buffers
+    buffers.submit = lambda fn, *args: KVBuffers.submit(buffers, fn, *args)
+    pool.open_request("a")
+    match = pool.match_prefix_tiers("a", tokens[:-1])
+    assert match.prefix_len == PAGE and match.storage_tokens == 0  # the verified page only
+    recompute(pool, "a", tokens)
+    assert pool.hicache.stats.storage_load_failures == 1
     assert run_request(pool, "again", tokens).device_tokens == 12
     finish(pool)
 
