@@ -217,11 +217,14 @@ class Engine:
         )
         chunk_len = 0 if self.chunked is None else adder.add_chunked_req(self.chunked).extend_len
         started, num_resumed = await self._admit_waiting(adder)
+        cut_before = self.stats.cut_prefix_reqs
         batch = await self._allocate(chunk_len, started)
         if not batch:
             # Resumed from the host store: nothing to compute. An admission whose
-            # allocation then failed was undone: no progress (else this spins).
-            return num_resumed > 0
+            # allocation then failed was undone: no progress (else this spins). One
+            # whose prefix load failed (cut) was undone too, but its next match is
+            # shorter: progress (a PD prefill node must not take it for unfittable).
+            return num_resumed > 0 or self.stats.cut_prefix_reqs > cut_before
         if adder.new_chunked_req in batch:
             self.chunked = adder.new_chunked_req
         first = {id(r) for r in started if not r.retracted_stain}  # hits count on admission
