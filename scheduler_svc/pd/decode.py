@@ -62,6 +62,8 @@ class DecodeEngine(Engine):
 
     async def step(self) -> bool:
         await self._apply_commands()
+        if not self.running and (self.retracted or self.prealloc):
+            await self.mem.heartbeat()  # fresh sizes when no decode step brought them
         resumed = await self._resume_retracted()
         did = bool(resumed)
         if not self.retracted:
@@ -112,9 +114,8 @@ class DecodeEngine(Engine):
         needs += [self._final_len(r) - self._held(r) for r in held]
         return max(needs, default=freeable) - freeable
 
-    async def _allocatable(self, *, count_retracted: bool, need: int = 0) -> int:
-        if not self.running:
-            await self.mem.heartbeat()  # fresh sizes when no decode step brought them
+    def _allocatable(self, *, count_retracted: bool, need: int = 0) -> int:
+        """The budget from the sizes of memsvc's last reply (every op brings them)."""
         sizes = self.mem.sizes
         reserve = self.config.num_reserved_decode_tokens
         n_active = len(self.running) + len(self.transfer)
@@ -142,7 +143,7 @@ class DecodeEngine(Engine):
         resumed: list[Req] = []
         while self.retracted:
             req = self.retracted[0]
-            allocatable = await self._allocatable(count_retracted=False)
+            allocatable = self._allocatable(count_retracted=False)
             if self._required(req) > allocatable and not self._alone_fits(req, allocatable):
                 break  # head-of-line: FIFO
             try:
@@ -185,7 +186,7 @@ class DecodeEngine(Engine):
                 break
             req = self.prealloc[0]
             need = self._single_need(retractable, [*self.transfer.values(), *resumed])
-            allocatable = await self._allocatable(count_retracted=True, need=need)
+            allocatable = self._allocatable(count_retracted=True, need=need)
             gate = max(self._required(req), self._final_len(req) - freeable)
             if gate > allocatable and not self._alone_fits(req, allocatable):
                 break
