@@ -13,7 +13,7 @@ from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE, add_service_args, s
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import MemsvcError
-from memsvc.core.hicache import WRITE_POLICIES, HiCacheConfig
+from memsvc.core.hicache_config import HiCacheConfig, WritePolicy
 from memsvc.core.storage import STORAGE_BACKENDS
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.handlers import MemService, ServiceConfig
@@ -236,14 +236,14 @@ def add_hicache_arguments(parser: argparse.ArgumentParser) -> None:
     )
     hi.add_argument(
         "--hicache-write-policy",
-        choices=WRITE_POLICIES,
+        choices=[p.value for p in WritePolicy],
         default=HiCacheConfig.write_policy,
         help="write_through: copy a node to host when it is inserted; "
         "write_through_selective: once it has been hit; write_back: when it is evicted",
     )
     hi.add_argument(
         "--hicache-storage-backend",
-        choices=STORAGE_BACKENDS,
+        choices=[b.value for b in STORAGE_BACKENDS],
         default=None,
         help="third tier, fed by host-tier eviction: file (a local directory) or nixl (NIXL's "
         "POSIX storage plugin on the same directory); unset: host eviction drops KV",

@@ -78,50 +78,17 @@ from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
 from memsvc.core.backends.base import KVBuffers
 from memsvc.core.errors import IntegrityError, InvalidArgumentError, StoredPageError
 from memsvc.core.fence import DONE, CopyFence, FailedFence
+from memsvc.core.hicache_config import HiCacheConfig, WritePolicy  # HiCacheConfig: re-exported
 from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_len
 from memsvc.core.storage import StorageBackend, create_storage
 
 log = logging.getLogger("memsvc")
 
-WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
 WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang's: hits before a node is backed up
 # SGLang's HiRadixCache.load_back_threshold (hard-coded there, no flag): an off-device
 # part of a match shorter than this many tokens is recomputed, not loaded.
 LOAD_BACK_THRESHOLD = 10
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
-
-
-@dataclass(frozen=True)
-class HiCacheConfig:
-    """``--hicache-*``: sizes in bytes (the flags take GB)."""
-
-    ratio: float = 2.0  # SGLang's default in cache mode
-    size_bytes: int = 0  # > 0 overrides ratio
-    write_policy: str = "write_through"  # SGLang's default
-    storage_backend: str | None = None
-    storage_dir: str | None = None  # the base of our own subdirectory; None: per user
-    storage_size_bytes: int = 0  # 0: 4 x the host tier
-    storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode
-
-    def __post_init__(self) -> None:
-        if self.write_policy not in WRITE_POLICIES:
-            raise InvalidArgumentError(
-                f"hicache write policy {self.write_policy!r} is not one of {WRITE_POLICIES}"
-            )
-        if self.ratio <= 0 and self.size_bytes <= 0:
-            raise InvalidArgumentError("the host tier needs --hicache-ratio > 0 or --hicache-size")
-        if self.size_bytes < 0 or self.storage_size_bytes < 0:
-            raise InvalidArgumentError("hicache sizes must be >= 0")
-
-    def host_pages(self, device_pages: int, page_bytes: int) -> int:
-        if self.size_bytes > 0:
-            return self.size_bytes // page_bytes
-        return int(device_pages * self.ratio)
-
-    def storage_pages(self, host_pages: int, page_bytes: int) -> int:
-        if self.storage_size_bytes > 0:
-            return self.storage_size_bytes // page_bytes
-        return 4 * host_pages
 
 
 @dataclass(slots=True, eq=False)
@@ -253,12 +220,7 @@ class HiRadixCache(RadixCache):
         self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
         try:
             if storage is None and config.storage_backend is not None:
-                storage = create_storage(
-                    config.storage_backend,
-                    config.storage_dir,
-                    page_bytes,
-                    role=config.storage_role,
-                )
+                storage = create_storage(config, page_bytes)
         except OSError as exc:
             raise InvalidArgumentError(
                 f"hicache storage directory {config.storage_dir or 'default'!r} is unusable: {exc}"
@@ -475,7 +437,7 @@ class HiRadixCache(RadixCache):
         return tail
 
     def _count_hits(self, nodes: Iterable[TreeNode], protect: set[int]) -> None:
-        selective = self.write_policy == "write_through_selective"
+        selective = self.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE
         for node in nodes:
             node.hit_count += 1
             if (
@@ -528,7 +490,7 @@ class HiRadixCache(RadixCache):
             values.append(leaf.value)
             node = leaf
             new.append(leaf)
-        if self.write_policy == "write_through":
+        if self.write_policy == WritePolicy.WRITE_THROUGH:
             # After the whole path is in place: making host room must not drop part of it.
             protect = {id(n) for n in path} | {id(node)}
             for n in new:
@@ -754,7 +716,11 @@ class HiRadixCache(RadixCache):
                 self._free_host(node)
             if node.on_disk:
                 self._delete_storage(node)
-        elif state == "ok" and node.host_pages is None and self.write_policy == "write_back":
+        elif (
+            state == "ok"
+            and node.host_pages is None
+            and self.write_policy == WritePolicy.WRITE_BACK
+        ):
             self._backup(node, protect)
         slots = node.value
         node.value = _EMPTY

@@ -20,27 +20,54 @@ stack left is ever read; the tree that indexed a store dies with its memsvc.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
 from memsvc.core.storage.base import StorageBackend
 from memsvc.core.storage.file import FileStorage
 from memsvc.core.storage.tierdir import StorageDir, default_storage_base
 
-STORAGE_BACKENDS = ("file", "nixl")
+if TYPE_CHECKING:
+    from memsvc.core.hicache_config import HiCacheConfig
 
 
-def create_storage(
-    name: str, base: str | None, page_bytes: int, *, role: str = "normal"
-) -> StorageBackend:
-    """The storage backend ``name`` in a new private subdirectory of ``base``
-    (``None``: :func:`default_storage_base`)."""
-    if name not in STORAGE_BACKENDS:
-        raise ValueError(f"unknown storage backend {name!r}; choose from {STORAGE_BACKENDS}")
-    directory = StorageDir(base, role)
+class StorageBackendName(StrEnum):
+    """``--hicache-storage-backend``: one name per entry of :data:`STORAGE_BACKENDS`."""
+
+    FILE = "file"  # a local directory
+    NIXL = "nixl"  # NIXL's POSIX storage plugin on the same directory
+
+
+def _file(directory: StorageDir, page_bytes: int) -> StorageBackend:
+    return FileStorage(directory, page_bytes)
+
+
+def _nixl(directory: StorageDir, page_bytes: int) -> StorageBackend:
+    from memsvc.core.storage.nixl import NixlStorage  # imports nixl only when chosen
+
+    return NixlStorage(directory, page_bytes)
+
+
+# The registry: a new backend is its module and one name and one line here.
+STORAGE_BACKENDS: dict[StorageBackendName, Callable[[StorageDir, int], StorageBackend]] = {
+    StorageBackendName.FILE: _file,
+    StorageBackendName.NIXL: _nixl,
+}
+
+
+def create_storage(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
+    """``config.storage_backend`` in a new private subdirectory of ``config.storage_dir``
+    (``None``: :func:`default_storage_base`), named after ``config.storage_role``."""
+    make = STORAGE_BACKENDS.get(config.storage_backend)  # type: ignore[arg-type]
+    if make is None:
+        raise ValueError(
+            f"unknown storage backend {config.storage_backend!r}; "
+            f"choose from {tuple(b.value for b in StorageBackendName)}"
+        )
+    directory = StorageDir(config.storage_dir, config.storage_role)
     try:
-        if name == "nixl":
-            from memsvc.core.storage.nixl import NixlStorage
-
-            return NixlStorage(directory, page_bytes)
-        return FileStorage(directory, page_bytes)
+        return make(directory, page_bytes)
     except BaseException:
         directory.close([])
         raise
@@ -50,6 +77,7 @@ __all__ = [
     "STORAGE_BACKENDS",
     "FileStorage",
     "StorageBackend",
+    "StorageBackendName",
     "StorageDir",
     "create_storage",
     "default_storage_base",
