@@ -63,12 +63,12 @@ from memsvc.curve import CurveKeys, make_client, make_server, peer_key
 from memsvc.limits import DEFAULT_LIMIT, MessageLimit, recv_bounded
 from memsvc.movers import CHUNK_PAGES, NixlMover, ZmqMover, pack_frames
 from memsvc.rpc import send_or_drop
+from memsvc.transfer_backend import TRANSFER_BACKENDS
 
 log = logging.getLogger("memsvc.transfer")
 
 HELLO_INTERVAL_S = 0.5
 QUERY_RETRY_S = (0.002, 0.1)  # first and longest wait between queries for a room not yet expected
-TRANSFER_BACKENDS = ("nixl", "zmq")
 BOOTSTRAP_TIMEOUT_ENV, BOOTSTRAP_TIMEOUT_S = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0
 
 
