@@ -43,9 +43,12 @@ from memsvc.sessions import NotOwnerError, UnknownSessionError
 __all__ = [
     "AllocResult",
     "AsyncMemClient",
+    "Call",
+    "ClientSession",
     "CurveClientKeys",
     "EpochChangedError",
     "MemClient",
+    "MemClientBase",
     "PeerDeadError",
     "PoolSizes",
     "PrefixMatch",
@@ -89,6 +92,9 @@ def _error_classes() -> dict[str, type[errors.MemsvcError]]:
     return found
 
 
+Call = _Call
+"""One request to make: op name, header fields, array frames, and the reply's parser."""
+
 _ERRORS_BY_CODE = {
     **_error_classes(),
     "unknown_session": UnknownSessionError,
@@ -96,8 +102,14 @@ _ERRORS_BY_CODE = {
 }
 
 
-class _Session:
-    """The state both clients keep: ids, epoch, layout, and reply checking."""
+class ClientSession:
+    """The state every client keeps: ids, epoch, layout, and reply checking.
+
+    A transport (a socket, or :class:`memsvc.inproc.InProcessMem`'s direct call)
+    packs a :class:`Call` with :meth:`frames`, delivers it, and hands the
+    unpacked reply header to :meth:`finish`, which checks it and parses the
+    result. Open a session by sending :meth:`hello_call` first.
+    """
 
     def __init__(
         self,
@@ -176,10 +188,15 @@ class _Session:
         )
 
 
-class _Client(_Ops):
-    """What both clients expose of their session (set by ``hello``)."""
+class MemClientBase(_Ops):
+    """Every memsvc op, and what a client exposes of its session (set by ``hello``).
 
-    _state: _Session
+    A client subclasses it, keeps its :class:`ClientSession` in ``_state`` and
+    implements ``_invoke(call)``: deliver one :class:`Call`, return
+    ``self._state.finish(call, reply_header)``.
+    """
+
+    _state: ClientSession
 
     session = property(lambda self: self._state.session)
     epoch = property(lambda self: self._state.epoch)
@@ -193,7 +210,7 @@ class _Client(_Ops):
         return attach_handle(self._state.handle)
 
 
-class MemClient(_Client):
+class MemClient(MemClientBase):
     """Blocking client. ``with MemClient(addr) as mem: mem.alloc_row("r1")``."""
 
     def __init__(
@@ -208,7 +225,7 @@ class MemClient(_Client):
         heartbeat: bool = True,
         curve: CurveClientKeys | None = None,
     ) -> None:
-        self._state = _Session(address, role, name, lease_s, timeout_s, retries, curve)
+        self._state = ClientSession(address, role, name, lease_s, timeout_s, retries, curve)
         self._ctx = zmq.Context()
         self._sock = self._state.new_socket(self._ctx)
         self._requester = rpc.Requester(self._sock)
@@ -273,7 +290,7 @@ class MemClient(_Client):
         self.close()
 
 
-class AsyncMemClient(_Client):
+class AsyncMemClient(MemClientBase):
     """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited."""
 
     def __init__(
@@ -288,7 +305,7 @@ class AsyncMemClient(_Client):
         heartbeat: bool = True,
         curve: CurveClientKeys | None = None,
     ) -> None:
-        self._state = _Session(address, role, name, lease_s, timeout_s, retries, curve)
+        self._state = ClientSession(address, role, name, lease_s, timeout_s, retries, curve)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._state.new_socket(self._ctx)
         self._lock = asyncio.Lock()

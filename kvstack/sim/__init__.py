@@ -11,9 +11,9 @@ each forward pass and KV copy takes::
                                │                                          ▲
                                └──memsvc ops──► SimMem (InProcessMem) ────┘ offload/load bytes
 
-Modules: :mod:`.inproc` (in-process memsvc client; ``SimMem`` charges KV
-copies), :mod:`.costmodel` (costs and the clock), :mod:`.worker`,
-:mod:`.timing` (the engine's own timings on the simulated clock),
+Modules: :mod:`.inproc` (``SimMem``: memsvc's in-process client,
+:mod:`memsvc.inproc`, charging KV copies), :mod:`.costmodel` (costs and the
+clock), :mod:`.worker`, :mod:`.timing` (the engine's own timings on the simulated clock),
 :mod:`.workload`, :mod:`.settings` (``--set`` / ``--sweep``), :mod:`.runner`
 (one run), :mod:`.plots`, :mod:`.cli` (``kvstack sim``).
 """

@@ -1,11 +1,8 @@
-"""memsvc in process: the real client and service code, no socket in between.
+"""The simulator's memsvc: :class:`~memsvc.inproc.InProcessMem` with its accounting.
 
-:class:`InProcessMem` is the memsvc client (the same op definitions and reply
-checking as :class:`~memsvc.client.AsyncMemClient`) wired straight to a
-:class:`~memsvc.handlers.MemService`. Every op is still packed, handled and
-unpacked exactly as over the wire, so the scheduler cannot tell the
-difference; only the transport is gone. The simulator and the engine tests
-share it. :class:`SimMem` adds the simulator's accounting on top.
+:class:`SimMem` is memsvc's in-process client (the real client and service
+code, no socket in between) that charges memsvc's share of simulated time;
+:func:`tiny_layout` and :func:`build_service` make the pool it runs on.
 """
 
 from __future__ import annotations
@@ -15,38 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstack.sim.costmodel import CostModel, SimClock
-from memsvc import protocol as wire
-from memsvc.client import _Call, _Client, _Session
+from memsvc.client import AllocResult, RetractReply
 from memsvc.core import KVPool, PoolLayout
 from memsvc.handlers import MemService, ServiceConfig
-from memsvc.ops import AllocResult, RetractReply
+from memsvc.inproc import InProcessMem
 
 # The sim never reads KV: one layer, one head, head dim 1 keeps the buffer at
 # 4 bytes per token, so a GPU-sized pool (hundreds of thousands of tokens)
 # costs a few MiB of shared memory.
 TINY_KV_DIMS: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1}
-
-
-class InProcessMem(_Client):
-    def __init__(self, service: MemService, name: str = "scheduler") -> None:
-        self._service = service
-        # Nothing expires leases in process (no reaper runs): the longest memsvc takes.
-        lease_s = ServiceConfig.max_lease_s
-        self._state = _Session("inproc://memsvc", "scheduler", name, lease_s, 1.0, 0, None)
-
-    @classmethod
-    async def connect(
-        cls, service: MemService, name: str = "scheduler", **kwargs: Any
-    ) -> InProcessMem:
-        """A client with an open session (``hello`` done), like ``AsyncMemClient.connect``."""
-        client = cls(service, name, **kwargs)
-        await client._invoke(client._state.hello_call())
-        return client
-
-    async def _invoke(self, call: _Call) -> Any:
-        _, frames = self._state.frames(call)
-        header = wire.unpack(self._service.handle(frames))
-        return self._state.finish(call, header)
 
 
 def tiny_layout(
@@ -109,20 +83,18 @@ class SimMem(InProcessMem):
         self.retracts: list[RetractEvent] = []
         self.offloaded_tokens = 0
         self.loaded_tokens = 0
-        self._observers: dict[str, Callable[[_Call, Any], None]] = {
+        self._observers: dict[str, Callable[[dict[str, Any], Any], None]] = {
             "retract": self._on_retract,
             "offload": self._on_offload,
             "load": self._on_load,
         }
 
-    async def _invoke(self, call: _Call) -> Any:
-        result = await super()._invoke(call)
+    def observe(self, op: str, fields: dict[str, Any], result: Any) -> None:
         if self.cost.memsvc_op_s:
             self.clock.charge("memsvc", self.cost.memsvc_op_s)
-        observe = self._observers.get(call.op)
-        if observe is not None:
-            observe(call, result)
-        return result
+        on_op = self._observers.get(op)
+        if on_op is not None:
+            on_op(fields, result)
 
     def _copy(self, num_tokens: int, *, offload: bool) -> None:
         if offload:
@@ -131,26 +103,26 @@ class SimMem(InProcessMem):
             self.loaded_tokens += num_tokens
         self.clock.charge("copy", self.cost.copy_seconds(num_tokens))
 
-    def _on_retract(self, call: _Call, reply: RetractReply) -> None:
+    def _on_retract(self, fields: dict[str, Any], reply: RetractReply) -> None:
         # Whatever the mode ("offload", or "mixed" with a per-row choice), a victim
         # whose KV was copied is the one the host store now holds.
-        store = self._service.pool.host_store
+        store = self.service.pool.host_store
         tokens = sum(store.num_tokens(rid) for rid in reply.retracted if rid in store)
         if tokens:
             self._copy(tokens, offload=True)
         self.retracts.append(
             RetractEvent(
                 self.clock.now,
-                str(call.fields.get("mode")),
+                str(fields.get("mode")),
                 tuple(reply.retracted),
                 tokens,
                 bool(reply.last_does_not_fit),
             )
         )
 
-    def _on_offload(self, call: _Call, nbytes: int) -> None:
-        self._copy(self._service.pool.host_store.num_tokens(call.fields["rid"]), offload=True)
+    def _on_offload(self, fields: dict[str, Any], nbytes: int) -> None:
+        self._copy(self.service.pool.host_store.num_tokens(fields["rid"]), offload=True)
 
-    def _on_load(self, call: _Call, result: AllocResult) -> None:
+    def _on_load(self, fields: dict[str, Any], result: AllocResult) -> None:
         if result.fits and result.slots is not None:
             self._copy(len(result.slots), offload=False)

@@ -1,7 +1,7 @@
 """An in-process stack for deterministic engine tests.
 
-``InProcessMem`` (shared with the simulator, :mod:`kvstack.sim.inproc`)
-is the real memsvc client (same op code, same replies) wired straight to a
+``InProcessMem`` (:mod:`memsvc.inproc`, which the simulator uses too) is
+the real memsvc client (same op code, same replies) wired straight to a
 :class:`MemService` instead of a socket. ``FakeModel`` answers forward calls
 with a token that depends only on the position and the token before it (the
 simulator's :func:`~kvstack.sim.worker.next_token`), so a request that
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvstack.sim.inproc import InProcessMem
 from kvstack.sim.worker import expected_output, next_token
+from memsvc.inproc import InProcessMem
 from model_svc.client import ForwardResult
 
 __all__ = ["FakeModel", "InProcessMem", "expected_output", "next_token"]
