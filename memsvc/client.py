@@ -38,6 +38,7 @@ from memsvc.ops import (
     _nothing,
     _Ops,
 )
+from memsvc.protocol import RetractTarget
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "PrefixMatch",
     "RequestRejectedError",
     "RetractReply",
+    "RetractTarget",
     "attach",
 ]
 

@@ -348,17 +348,16 @@ class MemService:
 
     def _retract(self, session: Session, msg: p.Retract) -> Reply:
         self._own_rows(session, msg.rows)
-        offload = msg.offload == 1 if msg.mode == "mixed" else msg.mode == "offload"
+        offload = np.array([t is p.RetractTarget.HOST_ENTRY for t in msg.targets], bool)
         to_tree = None
         if msg.tree_lens is not None:  # hicache: these victims' KV goes into the tree
-            into_tree = msg.offload == 2 if msg.mode == "mixed" else np.ones(msg.rows.size, bool)
             ends = np.cumsum(msg.tree_lens).tolist()
             to_tree = {
                 row: msg.tree_tokens[end - n : end]
-                for row, n, end, tree in zip(
-                    msg.rows.tolist(), msg.tree_lens.tolist(), ends, into_tree.tolist(), strict=True
+                for row, n, end, target in zip(
+                    msg.rows.tolist(), msg.tree_lens.tolist(), ends, msg.targets, strict=True
                 )
-                if tree
+                if target is p.RetractTarget.TREE
             }
         result = self.pool.retract(
             msg.rows,

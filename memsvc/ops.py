@@ -183,26 +183,21 @@ class _Ops:
     def retract(
         self,
         rows: Sequence[int] | np.ndarray,
-        mode: str = "recompute",
-        offload: Sequence[bool | int] | None = None,
+        targets: Sequence[p.RetractTarget],
         token_ids: Sequence[Sequence[int] | np.ndarray | None] | None = None,
     ) -> Any:
         """Release from the end of ``rows`` (victim order) until the next step fits.
 
-        ``mode`` is ``recompute``, ``offload``, ``tree``, or ``mixed`` with
-        ``offload`` giving per row 0 (free), 1 / True (private host-store entry)
-        or 2 (into the radix tree and its hicache host tier). Rows going into
-        the tree need their committed token ids in ``token_ids`` (one entry
-        per row; ``None`` for the others).
+        ``targets`` says, per row, where that victim's KV goes (a
+        :class:`~memsvc.protocol.RetractTarget`). Rows going into the tree
+        need their committed token ids in ``token_ids`` (one entry per row;
+        ``None`` for the others).
         """
         arrays = {"rows": _as_array(rows)}
-        if offload is not None:
-            mode = "mixed"
-            arrays["offload"] = _as_array([x if x == 2 else int(bool(x)) for x in offload])
         if token_ids is not None:
             tree = [
-                (mode == "tree" or offload[i] == 2) and ids is not None
-                for i, ids in enumerate(token_ids)
+                t == p.RetractTarget.TREE and ids is not None
+                for t, ids in zip(targets, token_ids, strict=True)
             ]
             parts = [_as_array(ids) for ids, t in zip(token_ids, tree, strict=True) if t]
             lens = [len(ids) if t else 0 for ids, t in zip(token_ids, tree, strict=True)]
@@ -211,7 +206,7 @@ class _Ops:
         return self._invoke(
             _Call(
                 "retract",
-                {"mode": mode},
+                {"targets": list(targets)},
                 arrays,
                 lambda h, a: RetractReply(
                     h["retracted"],

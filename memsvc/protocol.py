@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from enum import StrEnum
 from typing import Annotated, Any, Literal, get_args
 
 import msgpack
@@ -148,27 +149,28 @@ class DecodeStep(Message):
     rows: IntArray
 
 
+class RetractTarget(StrEnum):
+    """Where one retract victim's KV goes (the scheduler decides, per victim row)."""
+
+    FREE = "free"  # freed: the request is re-prefilled (recompute)
+    HOST_ENTRY = "host_entry"  # copied to memsvc's host store, loaded back whole on re-admission
+    TREE = "tree"  # inserted into the radix tree and backed up to its hicache host tier
+
+
 class Retract(Message):
     op: Literal["retract"]
     rows: IntArray  # most worth keeping first
-    mode: Literal["recompute", "offload", "mixed", "tree"]
-    # mode "mixed": one 0/1/2 per row, 1 = copy that victim's KV to the host store first,
-    # 2 = insert it into the radix tree and back it up to the hicache host tier.
-    offload: IntArray | None = None
-    # Rows going into the tree (mode "tree", or 2 in the mask): their committed token ids,
-    # concatenated in row order, and one length per row (0 for the others).
+    targets: list[RetractTarget] = Field(max_length=MAX_BATCH)  # one per row
+    # Rows going into the tree: their committed token ids, concatenated in row
+    # order, and one length per row (0 for the others).
     tree_tokens: IntArray | None = None
     tree_lens: IntArray | None = None
 
     @model_validator(mode="after")
-    def _mask_matches(self) -> Retract:
-        if (self.mode == "mixed") != (self.offload is not None):
-            raise ValueError("an offload mask goes with mode 'mixed', and only with it")
-        if self.offload is not None and self.offload.shape != self.rows.shape:
-            raise ValueError("the offload mask needs one entry per row")
-        if self.offload is not None and ((self.offload < 0) | (self.offload > 2)).any():
-            raise ValueError("offload mask entries are 0, 1 or 2")
-        wants_tree = self.mode == "tree" or (self.offload is not None and (self.offload == 2).any())
+    def _targets_match(self) -> Retract:
+        if len(self.targets) != self.rows.size:
+            raise ValueError("retract needs one target per row")
+        wants_tree = RetractTarget.TREE in self.targets
         if wants_tree != (self.tree_lens is not None) or (
             (self.tree_tokens is None) != (self.tree_lens is None)
         ):

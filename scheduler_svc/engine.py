@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memsvc.client import AsyncMemClient
+from memsvc.client import AsyncMemClient, RetractTarget
 from memsvc.core.errors import OutOfRowsError
 from memsvc.ops import PoolSizes
 from model_svc.client import AsyncModelClient
@@ -48,8 +48,6 @@ from scheduler_svc.core.retract_cost import RetractCostModel
 log = logging.getLogger("scheduler_svc")
 
 Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
-# Where a retract victim's KV goes (memsvc's per-row retract targets).
-RECOMPUTE, HOST_ENTRY, INTO_TREE = 0, 1, 2
 GEN_THROUGHPUT_PASSES = 40  # SGLang's decode_log_interval
 
 
@@ -490,11 +488,17 @@ class Engine:
             "retract order (keep first): %s",
             [(r.rid, len(r.output_ids), len(r.origin_input_ids)) for r in ordered],
         )
-        to_host = self._offload_choices(ordered)
+        targets = self._retract_targets(ordered)
         started = time.perf_counter()
-        reply = await self.mem.retract([r.row for r in ordered], **_retract_args(ordered, to_host))
+        reply = await self.mem.retract(
+            [r.row for r in ordered], targets, token_ids=_tree_token_ids(ordered, targets)
+        )
         self.stats.retract_s += time.perf_counter() - started
-        offloaded = {r.rid for r, host in zip(ordered, to_host, strict=True) if host == HOST_ENTRY}
+        offloaded = {
+            r.rid
+            for r, target in zip(ordered, targets, strict=True)
+            if target is RetractTarget.HOST_ENTRY
+        }
         into_tree = set(getattr(reply, "to_tree", ()))
         by_rid = {r.rid: r for r in ordered}
         for rid in reply.retracted:
@@ -538,18 +542,18 @@ class Engine:
             tail,
         )
 
-    def _offload_choices(self, ordered: list[Req]) -> list[int]:
+    def _retract_targets(self, ordered: list[Req]) -> list[RetractTarget]:
         """Per request of the victim order, where its KV goes if retracted.
 
-        RECOMPUTE (freed), HOST_ENTRY (memsvc's private host-store entry, loaded
-        back whole on re-admission), or, with the hierarchy on, INTO_TREE: inserted
+        FREE (re-prefilled), HOST_ENTRY (memsvc's private host-store entry, loaded
+        back whole on re-admission), or, with the hierarchy on, TREE: inserted
         into the radix tree and backed up to its host tier, so that its own
         re-admission and any request sharing its prefix hit it.
         """
         mode = self.config.retract_mode
-        target = INTO_TREE if self.hierarchical else HOST_ENTRY
+        kept = RetractTarget.TREE if self.hierarchical else RetractTarget.HOST_ENTRY
         if mode != "auto":
-            return [target if mode == "offload" else RECOMPUTE] * len(ordered)
+            return [kept if mode == "offload" else RetractTarget.FREE] * len(ordered)
         # Victims are popped from the end: decide in that order, so host-store room
         # goes to the first ones retracted. The host tier makes room by LRU eviction:
         # all of it is there to take.
@@ -557,7 +561,7 @@ class Engine:
         if self.hierarchical:
             room = int(self.mem.hello_info["hicache"].get("host_capacity_bytes", 0))
         choices = self.cost.choose_offload(ordered[::-1], room)
-        return [target if c else RECOMPUTE for c in choices[::-1]]
+        return [kept if c else RetractTarget.FREE for c in choices[::-1]]
 
     async def _requeue_retracted(self, req: Req) -> None:
         """Normal mode: back to the tail of the waiting queue (re-prefill or host-store load)."""
@@ -649,16 +653,17 @@ def _pinned_by_match(before: PoolSizes, after: PoolSizes, *, loads: bool) -> int
     return pinned
 
 
-def _retract_args(ordered: list[Req], targets: list[int]) -> dict[str, Any]:
-    """``retract``'s keywords: the per-row targets, and the tokens of INTO_TREE victims
-    (whose KV is written: all but the last token, ``kv_len`` of them)."""
-    if INTO_TREE not in targets:
-        return {"offload": [t == HOST_ENTRY for t in targets]}
-    token_ids = [
-        r.fill_ids[: r.kv_len] if t == INTO_TREE else None
+def _tree_token_ids(
+    ordered: list[Req], targets: list[RetractTarget]
+) -> list[list[int] | None] | None:
+    """``retract``'s ``token_ids``: those of each TREE victim (whose KV is written: all
+    but the last token, ``kv_len`` of them), None for the others; None if none is TREE."""
+    if RetractTarget.TREE not in targets:
+        return None
+    return [
+        r.fill_ids[: r.kv_len] if t is RetractTarget.TREE else None
         for r, t in zip(ordered, targets, strict=True)
     ]
-    return {"offload": list(targets), "token_ids": token_ids}
 
 
 def _seed_from_rid(rid: str) -> int:

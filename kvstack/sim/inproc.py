@@ -54,7 +54,7 @@ class RetractEvent:
     """One ``retract`` reply as the simulator saw it."""
 
     time: float  # simulated seconds, after the copy (if any) was charged
-    mode: str  # the mode the engine asked for
+    targets: tuple[str, ...]  # the target the engine asked for, per row
     retracted: tuple[str, ...]  # in retract order (least worth keeping first)
     offloaded_tokens: int  # tokens of KV copied to the host store by this retract
     last_does_not_fit: bool
@@ -65,8 +65,8 @@ class SimMem(InProcessMem):
 
     The copy hook lives here, at the memsvc edge, because every KV copy the
     engine causes passes through exactly three ops, whatever the engine's
-    retract mode: ``retract`` (victims it offloads, in ``offload`` or
-    per-row ``mixed`` mode), ``offload`` and ``load``. After each, the
+    retract mode: ``retract`` (victims whose target is ``host_entry``),
+    ``offload`` and ``load``. After each, the
     tokens copied are read from the pool's host store (this layout's bytes
     per token are fake, so the reply's byte counts are not used) and the
     clock is charged ``tokens × cost.bytes_per_token / cost.copy_bytes_per_s``.
@@ -104,8 +104,8 @@ class SimMem(InProcessMem):
         self.clock.charge("copy", self.cost.copy_seconds(num_tokens))
 
     def _on_retract(self, fields: dict[str, Any], reply: RetractReply) -> None:
-        # Whatever the mode ("offload", or "mixed" with a per-row choice), a victim
-        # whose KV was copied is the one the host store now holds.
+        # Whatever the targets asked for, a victim whose KV was copied is the one
+        # the host store now holds.
         store = self.service.pool.host_store
         tokens = sum(store.num_tokens(rid) for rid in reply.retracted if rid in store)
         if tokens:
@@ -113,7 +113,7 @@ class SimMem(InProcessMem):
         self.retracts.append(
             RetractEvent(
                 self.clock.now,
-                str(fields.get("mode")),
+                tuple(map(str, fields["targets"])),
                 tuple(reply.retracted),
                 tokens,
                 bool(reply.last_does_not_fit),

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from memsvc.client import RetractTarget
 from memsvc.core.errors import MemsvcError, OutOfRowsError
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState, ceil_page
@@ -241,8 +242,10 @@ class DecodeEngine(Engine):
 
     # -- retract: offload to the host store ---------------------------------------------
 
-    def _offload_choices(self, ordered: list[Req]) -> list[bool]:
-        return [True] * len(ordered)
+    def _retract_targets(self, ordered: list[Req]) -> list[RetractTarget]:
+        """Every victim's KV is parked in memsvc-D's host store and loaded back on resume
+        (a decode node cannot prefill; the tree is not used for victims here)."""
+        return [RetractTarget.HOST_ENTRY] * len(ordered)
 
     async def _requeue_retracted(self, req: Req) -> None:
         self.retracted.append(req)

@@ -20,7 +20,9 @@ from tests.fuzz.mutate import Message, garbage, mutate
 LEGIT_RID = "legit"
 LEGIT_TOKENS = np.arange(1000, 1012, dtype=np.int64)  # three 4-token pages
 RIDS = ("f0", "f1", "f2", LEGIT_RID)
-MODES = ("recompute", "offload", "mixed", "nope")
+TARGETS = ("free", "host_entry")  # retract targets (and "tree", which needs token ids)
+# Retract: one target for every row, a target per row (None), or a bad one.
+RETRACT_KINDS = ("free", "host_entry", None, "nope")
 
 
 class MemsvcMessages:
@@ -96,9 +98,11 @@ class MemsvcMessages:
         elif op in ("decode_step", "retract"):
             arrays["rows"] = self._rows(rng)
             if op == "retract":
-                header["mode"] = rng.choice(MODES)
-                if header["mode"] == "mixed":
-                    arrays["offload"] = np.array([rng.randrange(2) for _ in arrays["rows"]])
+                kind = rng.choice(RETRACT_KINDS)
+                if kind is None:
+                    header["targets"] = [TARGETS[rng.randrange(2)] for _ in arrays["rows"]]
+                else:
+                    header["targets"] = [kind] * len(arrays["rows"])
         elif op == "offload":
             header["rid"] = rid
             if rng.random() < 0.5:

@@ -68,7 +68,7 @@ def valid_messages(session: str) -> list[list[bytes]]:
             {"token_ids": arr([1, 2, 3, 4, 5])},
         ),
         p.pack(
-            {"op": "retract", "op_id": 5, "session": session, "mode": "offload"},
+            {"op": "retract", "op_id": 5, "session": session, "targets": ["host_entry"] * 2},
             {"rows": arr([2, 1])},
         ),
         p.pack(

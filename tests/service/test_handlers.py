@@ -94,7 +94,7 @@ def test_decode_step_reports_missing_without_changing_anything(service) -> None:
     reply = c.ok("decode_step", {"rows": ids(*rows)})
     assert reply == {**reply, "fits": False, "missing": 8}
     assert service.pool.available_size() == before
-    retract = c.ok("retract", {"rows": ids(*rows)}, mode="recompute")
+    retract = c.ok("retract", {"rows": ids(*rows)}, targets=["free", "free"])
     assert retract["retracted"] == ["b"] and not retract["last_does_not_fit"]
     assert retract["tokens_gained"] == 32
     assert c.ok("decode_step", {"rows": ids(rows[0])})["fits"]
@@ -131,7 +131,7 @@ def test_ownership_between_sessions(service) -> None:
         ("release", None, {"rid": "a", "is_insert": False}),
         ("offload", None, {"rid": "a"}),
         ("decode_step", {"rows": ids(row)}, {}),
-        ("retract", {"rows": ids(row)}, {"mode": "recompute"}),
+        ("retract", {"rows": ids(row)}, {"targets": ["free"]}),
     ]:
         reply = bob.call(op, arrays, **fields)
         assert not reply["ok"] and reply["code"] == "not_owner", reply
@@ -212,7 +212,7 @@ def test_bad_input_gets_a_coded_error_and_changes_nothing(service, frames, code)
         ("offload", None, {"rid": "a", "num_tokens": 50}, "invalid_argument"),
         ("free_row", None, {"rid": "ghost"}, "unknown_request"),
         ("alloc_row", None, {"rid": "a"}, "duplicate_request"),
-        ("retract", {"rows": ids(1)}, {"mode": "teleport"}, "bad_request"),
+        ("retract", {"rows": ids(1)}, {"targets": ["teleport"]}, "bad_request"),
     ],
 )
 def test_out_of_range_values_get_typed_errors(service, op, arrays, fields, code) -> None:
@@ -254,7 +254,7 @@ def test_async_offload_pending_pages_in_stats_and_load_waits_for_the_copy() -> N
         c.ok("alloc_extend", {"num_tokens": ids(8, 24)}, rids=["keep", "victim"])
         data = np.random.default_rng(0).standard_normal((24, 2, 2, 2, 8)).astype(np.float16)
         pool.buffers.write_slots(pool.slots("victim"), data)
-        retract = c.ok("retract", {"rows": ids(*rows)}, mode="offload")
+        retract = c.ok("retract", {"rows": ids(*rows)}, targets=["host_entry"] * 2)
         assert retract["retracted"] == ["victim"]
         stats = c.ok("stats")
         assert stats["pending_pages"] == 6 and stats["available"] == 64 - 8

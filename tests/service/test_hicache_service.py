@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from memsvc.client import MemClient
+from memsvc.client import MemClient, RetractTarget
 from memsvc.core import KVPool
 from memsvc.core.hicache import HiCacheConfig
 from memsvc.core.storage.file import SUFFIX
@@ -98,11 +98,10 @@ def test_retract_into_tree_over_the_wire(service) -> None:
         "retract",
         {
             "rows": rows,
-            "offload": ids(0, 2),
             "tree_tokens": tokens_b[:-1],
             "tree_lens": ids(0, kv_b - 1),
         },
-        mode="mixed",
+        targets=["free", "tree"],
     )
     assert not bad["ok"] and bad["code"] == "invalid_argument", bad
     assert service.pool.is_open("a") and service.pool.is_open("b")
@@ -111,11 +110,10 @@ def test_retract_into_tree_over_the_wire(service) -> None:
         "retract",
         {
             "rows": rows,
-            "offload": ids(0, 2),
             "tree_tokens": tokens_b,
             "tree_lens": ids(0, kv_b),
         },
-        mode="mixed",
+        targets=["free", "tree"],
     )
     assert reply["retracted"] == ["b"] and reply["to_tree"] == ["b"] and reply["tree_bytes"] > 0
     assert not service.pool.is_open("b")
@@ -140,7 +138,7 @@ def test_retract_into_tree_over_the_wire(service) -> None:
                 "tree_tokens": np.concatenate([tokens_a, tokens_b]),
                 "tree_lens": ids(kv_a, kv_b),
             },
-            mode="tree",
+            targets=["tree", "tree"],
         )
         assert not reply["ok"] and "hierarchical" in reply["message"]
         assert plain.pool.is_open("a") and plain.pool.is_open("b")
@@ -232,7 +230,9 @@ def test_memsvc_process_with_host_and_disk_tiers(memsvc_factory, tmp_path) -> No
             mem.match_prefix(rid, tokens[:-1])
             assert mem.alloc_extend([(rid, len(tokens))]).fits
             write_kv(pool, rows[-1], 0, tokens)
-        reply = mem.retract(rows, offload=[0, 2], token_ids=[None, victim])
+        reply = mem.retract(
+            rows, [RetractTarget.FREE, RetractTarget.TREE], token_ids=[None, victim]
+        )
         assert reply.retracted == ["victim"] and reply.to_tree == ["victim"]
         mem.free_row("keep")
         mem.flush_cache(device_only=True)

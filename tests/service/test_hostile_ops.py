@@ -32,16 +32,15 @@ def _state(service: MemService) -> tuple[int, int, int]:
     return pool.available_size(), pool.request("a").kv_len, pool.table.available_size()
 
 
-@pytest.mark.parametrize(
-    ("op", "fields"), [("decode_step", {}), ("retract", {"mode": "recompute"})]
-)
-def test_more_rows_than_the_table_has_is_an_invalid_argument(service, op, fields) -> None:
+@pytest.mark.parametrize(("op", "target"), [("decode_step", None), ("retract", "free")])
+def test_more_rows_than_the_table_has_is_an_invalid_argument(service, op, target) -> None:
     c = Caller(service)
     c.hello()
     row = c.ok("alloc_row", rid="a")["row"]
     c.ok("alloc_extend", {"num_tokens": ids(6)}, rids=["a"])
     before = _state(service)
     rows = np.full(service.pool.table.num_rows * 2, row, dtype=np.int64)
+    fields = {} if target is None else {"targets": [target] * rows.size}
     reply = c.call(op, {"rows": rows}, **fields)
     assert reply["ok"] is False and reply["code"] == "invalid_argument", reply
     assert "twice" in reply["message"]

@@ -23,6 +23,7 @@ from memsvc.client import (
     EpochChangedError,
     MemClient,
     PeerDeadError,
+    RetractTarget,
 )
 from memsvc.core.backends.shm import list_segments
 from memsvc.core.errors import UnknownRequestError
@@ -213,7 +214,7 @@ def test_async_client_with_heartbeats_outlives_its_lease(memsvc) -> None:
             await asyncio.sleep(1.5)  # > lease: heartbeats keep the session
             step = await mem.decode_step([row])
             assert step.fits
-            reply = await mem.retract([row], mode="offload")
+            reply = await mem.retract([row], [RetractTarget.HOST_ENTRY])
             assert reply.retracted == [] and not reply.last_does_not_fit
             await mem.free_row("a")
             await mem.check(idle=True)

@@ -14,6 +14,7 @@ from kvstack.sim.inproc import SimMem, build_service, tiny_layout
 from kvstack.sim.settings import SimSpec, expand_sweeps, parse_sweep
 from kvstack.sim.worker import EOS, expected_output
 from kvstack.sim.workload import RequestSpec, prompt_tokens, synthetic
+from memsvc.client import RetractTarget
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
 from scheduler_svc.core import Req, SamplingParams, SchedulerConfig, clamp_max_new_tokens
@@ -167,18 +168,18 @@ def test_sim_mem_charges_offload_and_load_copies_from_the_cost_model() -> None:
         for rid, n in (("a", 10), ("b", 30)):
             rows.append(await mem.alloc_row(rid))
             assert (await mem.alloc_extend([(rid, n)])).fits
-        reply = await mem.retract(rows, mode="offload")  # "b" is last: it goes first
+        reply = await mem.retract(rows, [RetractTarget.HOST_ENTRY] * 2)  # "b" goes first
         assert reply.retracted == ["b"]
         assert clock.copy_s == pytest.approx(0.030) and mem.offloaded_tokens == 30
-        assert [(e.mode, e.retracted, e.offloaded_tokens) for e in mem.retracts] == [
-            ("offload", ("b",), 30)
+        assert [(e.targets, e.retracted, e.offloaded_tokens) for e in mem.retracts] == [
+            (("host_entry", "host_entry"), ("b",), 30)
         ]
         await mem.alloc_row("b")
         assert (await mem.load("b")).fits
         assert mem.loaded_tokens == 30 and clock.copy_s == pytest.approx(0.060)
         await mem.offload("a")
         assert mem.offloaded_tokens == 40 and clock.now == pytest.approx(0.070)
-        await mem.retract([rows[0], (await mem.alloc_row("c"))], mode="recompute")
+        await mem.retract([rows[0], (await mem.alloc_row("c"))], [RetractTarget.FREE] * 2)
         assert mem.retracts[-1].offloaded_tokens == 0 and clock.copy_s == pytest.approx(0.070)
 
     try:
