@@ -75,11 +75,12 @@ from typing import Any
 import numpy as np
 
 from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
-from memsvc.core.backends.base import KVBuffers
+from memsvc.core.backends.base import KVBuffers, page_runs
 from memsvc.core.errors import IntegrityError, InvalidArgumentError, StoredPageError
 from memsvc.core.fence import DONE, CopyFence, FailedFence
 from memsvc.core.hicache_config import HiCacheConfig, WritePolicy  # HiCacheConfig: re-exported
-from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode, _common_len
+from memsvc.core.prefix_cache import CacheHit
+from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
 
 log = logging.getLogger("memsvc")
@@ -98,22 +99,6 @@ class HiTreeNode(TreeNode):
     hashes: list[str] | None = None  # storage keys, one per page (computed on demand)
     hit_count: int = 0
     load_fence: CopyFence | None = None  # the copy loading ``value`` (None: no load)
-
-
-@dataclass
-class HiMatch:
-    slots: np.ndarray  # device slots of the whole matched (and loaded) prefix
-    last_node: TreeNode
-    device_tokens: int
-    host_tokens: int
-    storage_tokens: int
-    # (node, fence) of every matched node whose load has not been seen to succeed: wait
-    # on each before the pages are read; a failed one is dropped (KVPool.wait_loaded).
-    loads: list[tuple[TreeNode, CopyFence]]
-
-    @property
-    def load_pending(self) -> bool:
-        return any(not fence.done() for _, fence in self.loads)
 
 
 @dataclass
@@ -188,16 +173,6 @@ def page_hash_chain(prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
         prev = digest.hexdigest()
         out.append(prev)
     return out
-
-
-def _page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(index, first, length)`` per run of consecutive values."""
-    if pages.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), pages.size]
-    return [(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True)]
 
 
 class HiRadixCache(RadixCache):
@@ -285,7 +260,7 @@ class HiRadixCache(RadixCache):
     def _job_to_host(self, dev_pages: np.ndarray, host_pages: np.ndarray) -> None:
         started = time.perf_counter()
         arena = self.host.arena
-        for index, first, length in _page_runs(host_pages):
+        for index, first, length in page_runs(host_pages):
             self.buffers.gather_pages(
                 dev_pages[index : index + length], arena[first : first + length]
             )
@@ -294,7 +269,7 @@ class HiRadixCache(RadixCache):
     def _job_from_host(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> None:
         started = time.perf_counter()
         arena = self.host.arena
-        for index, first, length in _page_runs(host_pages):
+        for index, first, length in page_runs(host_pages):
             self.buffers.scatter_pages(
                 arena[first : first + length], dev_pages[index : index + length]
             )
@@ -341,23 +316,6 @@ class HiRadixCache(RadixCache):
 
     # -- match and insert ----------------------------------------------------------
 
-    def _walk(self, key: np.ndarray) -> tuple[list[TreeNode], int]:
-        """Nodes matched by ``key`` (all tiers), splitting the last; stamps access times."""
-        self._clock += 1
-        node, matched, path = self.root, 0, []
-        while matched < len(key):
-            child = node.children.get(self._page_key(key, matched))
-            if child is None:
-                break
-            child.last_access_time = self._clock
-            common = _common_len(child.key, key[matched:], self.page_size)
-            if common < len(child.key):
-                child = self._split(child, common)
-            path.append(child)
-            matched += common
-            node = child
-        return path, matched
-
     def match_prefix(self, token_ids: object) -> MatchResult:
         """The device part of the match only (no loading)."""
         key = self._as_key(token_ids)
@@ -366,7 +324,7 @@ class HiRadixCache(RadixCache):
         slots = np.concatenate([n.value for n in device]) if device else _EMPTY.copy()
         return MatchResult(slots, device[-1] if device else self.root)
 
-    def match_and_load(self, token_ids: object) -> HiMatch:
+    def match_and_load(self, token_ids: object) -> CacheHit:
         """Longest prefix in any tier; its host / storage part loaded into fresh device
         pages, whole or not at all (:meth:`_load_back`).
 
@@ -399,7 +357,7 @@ class HiRadixCache(RadixCache):
                 else:
                     loads.append((n, fence))
         slots = np.concatenate([n.value for n in matched]) if matched else _EMPTY.copy()
-        return HiMatch(
+        return CacheHit(
             slots,
             matched[-1] if matched else self.root,
             device_tokens,
@@ -497,6 +455,12 @@ class HiRadixCache(RadixCache):
                 if n.host_pages is None:
                     self._backup(n, protect)
         return device_len, node, values
+
+    def check_can_back_up(self) -> None:
+        """Every device node can be backed up to the host tier."""
+
+    def backup_bytes(self) -> int:
+        return self.stats.backup_bytes
 
     def backup_prefix(self, token_ids: object) -> int:
         """Give every device node on ``token_ids``' cached path a host copy; returns bytes."""
@@ -730,10 +694,12 @@ class HiRadixCache(RadixCache):
         if node.host_pages is None and not node.on_disk:
             self._drop_subtree(node)
 
-    def flush(self) -> int:
-        """SGLang's flush_cache: every unlocked device node evicted and every copy off the
-        device (host and storage) dropped; locked paths stay on the device, copies freed.
-        Returns the device tokens evicted."""
+    def flush(self, *, device_only: bool = False) -> int:
+        """SGLang's flush_cache: every unlocked device node evicted and (unless
+        ``device_only``) every copy off the device (host and storage) dropped; locked
+        paths stay on the device, copies freed. Returns the device tokens evicted."""
+        if device_only:
+            return self.evict(self.evictable_size())
         self.reap_failed_writes()
         evicted = self.evict(self.evictable_size())
         # Device nodes are closed under parent: the off-device subtrees hang from the
@@ -891,7 +857,7 @@ class HiRadixCache(RadixCache):
         if len(self._storage_keys) > self.storage_capacity_pages:
             raise IntegrityError("storage tier over its cap")
 
-    def check_storage_files(self) -> None:
+    def check_idle(self) -> None:
         """After every copy settled: the backend holds exactly the keys the tree indexes."""
         if self.storage is None:
             return

@@ -120,15 +120,13 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
     ):
         problems.append("host store byte accounting is off")
 
-    hicache = getattr(pool, "hicache", None)
     if idle:
-        if hicache is not None:
-            if pool._loading:
-                problems.append(f"idle but {len(pool._loading)} prefix loads are tracked")
-            try:
-                hicache.check_storage_files()
-            except IntegrityError as exc:
-                problems.append(str(exc))
+        if pool._loading:
+            problems.append(f"idle but {len(pool._loading)} prefix loads are tracked")
+        try:
+            pool.tree.check_idle()
+        except IntegrityError as exc:
+            problems.append(str(exc))
         if pool.open_rids():
             problems.append(f"idle but {len(pool.open_rids())} requests are open")
         if pool.protected_size():

@@ -45,6 +45,7 @@ from memsvc.core.hicache import HiCacheConfig, HiRadixCache
 from memsvc.core.host_store import HostStore
 from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
+from memsvc.core.prefix_cache import PrefixCache
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
 from memsvc.core.retract import RetractResult, retract_until_fits
@@ -111,6 +112,9 @@ class KVPool:
         try:
             self.allocator = PageAllocator(layout.num_pages, layout.page_size)
             self.table = ReqToTokenTable(self.buffers)
+            # The pool goes through ``tree`` alone (a PrefixCache, whichever kind it is);
+            # ``hicache`` is there for callers of the hierarchy's own API (tiers, stats).
+            self.tree: PrefixCache
             self.hicache: HiRadixCache | None = None
             if hicache is not None:
                 if disable_radix_cache:
@@ -210,26 +214,12 @@ class KVPool:
         The caller passes at most ``len(fill_ids) - 1`` tokens, so at least
         one token is always computed.
         """
-        req = self.request(rid)
-        if req.kv_len:
-            raise InvalidArgumentError(f"request {rid!r} already holds {req.kv_len} KV positions")
-        tokens = as_token_array(token_ids)
-        if tokens.size > self.table.max_context_len:
-            raise InvalidArgumentError(
-                f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
-            )
-        if self.hicache is not None:
-            return self.match_prefix_tiers(rid, tokens).prefix_len
-        match = self.tree.match_prefix(tokens)
-        self.tree.lock(match.last_node)
-        self.table.write(req.row, 0, match.slots)
-        req.last_node = match.last_node
-        req.kv_len = req.protected_len = int(match.slots.size)
-        return req.kv_len
+        return self.match_prefix_tiers(rid, token_ids).prefix_len
 
     def match_prefix_tiers(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> TierMatch:
-        """:meth:`match_prefix` over all tiers (hicache): host / storage hits are loaded
-        into fresh device pages; the rid's next :meth:`alloc_extend` waits for that copy."""
+        """:meth:`match_prefix` over all the cache's tiers: host / storage hits (hicache)
+        are loaded into fresh device pages; the rid's next :meth:`alloc_extend` waits
+        for that copy."""
         req = self.request(rid)
         if req.kv_len:
             raise InvalidArgumentError(f"request {rid!r} already holds {req.kv_len} KV positions")
@@ -238,11 +228,8 @@ class KVPool:
             raise InvalidArgumentError(
                 f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
             )
-        if self.hicache is None:
-            prefix_len = self.match_prefix(rid, tokens)
-            return TierMatch(prefix_len, prefix_len, 0, 0, False)
         for _ in range(len(tokens) // self.page_size + 1):
-            match = self.hicache.match_and_load(tokens)
+            match = self.tree.match_and_load(tokens)
             failed = [n for n, f in match.loads if f.done() and f.error() is not None]
             if not failed:
                 break
@@ -291,7 +278,7 @@ class KVPool:
     def _cut_failed_loads(self, nodes: list[TreeNode]) -> None:
         """Nodes whose load failed: keep each one's verified pages, cut every request
         holding the rest back to the last good node, drop the rest from every tier."""
-        tree = self.hicache
+        tree = self.tree
         bad = {id(n): n for n in tree.failed_loads_above(nodes)}
         for req in self._reqs.values():
             top, at = None, req.last_node
@@ -309,7 +296,7 @@ class KVPool:
         """Cut ``req``'s matched prefix back to end at ``last_node`` (an ancestor)."""
         if req.kv_len != req.protected_len:
             raise IntegrityError(f"{req.rid!r} ran an extend over a load that failed")
-        prefix_len = int(self.tree._path_key(last_node).size)
+        prefix_len = int(self.tree.path_key(last_node).size)
         self.tree.lock(last_node)
         self.tree.unlock(req.last_node)
         self.table.write(req.row, prefix_len, np.zeros(req.kv_len - prefix_len, dtype=SLOT_DTYPE))
@@ -437,9 +424,7 @@ class KVPool:
     def flush_cache(self, *, device_only: bool = False) -> int:
         """Evict every unlocked prefix (and, with the hierarchy, drop the host and storage
         copies unless ``device_only``); returns the device tokens evicted."""
-        if self.hicache is not None and not device_only:
-            return self.hicache.flush()
-        return self.tree.evict(self.tree.evictable_size())
+        return self.tree.flush(device_only=device_only)
 
     def ensure_available(self, num_tokens: int) -> None:
         """Evict from the tree only what is missing for ``num_tokens`` free slots."""
@@ -498,14 +483,10 @@ class KVPool:
 
     def check_tree_tokens(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> None:
         """Raise unless ``token_ids`` can be ``rid``'s :meth:`release_to_tree` tokens."""
-        if self.hicache is None:
-            raise InvalidArgumentError(
-                "retracting into the tree needs the hierarchical cache "
-                "(--enable-hierarchical-cache)"
-            )
+        self.tree.check_can_back_up()
         req = self.request(rid)
         tokens = self._committed_tokens(req, token_ids)
-        locked = self.tree._path_key(req.last_node)
+        locked = self.tree.path_key(req.last_node)
         if not np.array_equal(tokens[: locked.size], locked):
             raise InvalidArgumentError(
                 f"token ids of {rid!r} differ from the cached prefix it holds"
@@ -514,15 +495,11 @@ class KVPool:
     def release_to_tree(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
         """Close ``rid`` inserting its KV into the tree, and back its path up to the host
         tier now (hicache; a normal-mode retract victim); returns the bytes copied."""
-        if self.hicache is None:
-            raise InvalidArgumentError(
-                "retracting into the tree needs the hierarchical cache "
-                "(--enable-hierarchical-cache)"
-            )
-        before = self.hicache.stats.backup_bytes  # write_through copies on the insert itself
+        self.tree.check_can_back_up()
+        before = self.tree.backup_bytes()  # write_through copies on the insert itself
         self.release(rid, token_ids, is_insert=True)
-        self.hicache.backup_prefix(token_ids)
-        return self.hicache.stats.backup_bytes - before
+        self.tree.backup_prefix(token_ids)
+        return self.tree.backup_bytes() - before
 
     def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         tokens = as_token_array(token_ids)
@@ -579,8 +556,7 @@ class KVPool:
 
     def settle_copies(self) -> None:
         """Wait for every offload copy in flight; pages waiting on them become free."""
-        if self.hicache is not None:
-            self.hicache.settle()
+        self.tree.settle()
         self.allocator.drain()
 
     def check_integrity(self, *, idle: bool = False) -> None:
@@ -592,8 +568,7 @@ class KVPool:
 
     def close(self) -> None:
         self.settle_copies()
-        if self.hicache is not None:
-            self.hicache.close()
+        self.tree.close()
         self.buffers.close()
 
     def __enter__(self) -> KVPool:

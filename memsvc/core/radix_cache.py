@@ -12,19 +12,21 @@ frees; the caller frees its duplicates of the part already cached. Only
 ``evict`` and the ``cache_*_req`` hand-backs free slots. A hand-back that
 inserts must give the locked path's own tokens for the protected prefix (the
 tree's slots are filed under no other key). A call that raises
-``InvalidArgumentError`` has changed nothing.
+``InvalidArgumentError`` has changed nothing. The calls the pool makes, and
+what each may change, are :class:`~memsvc.core.prefix_cache.PrefixCache`'s.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -67,15 +69,7 @@ def _as_int_array(values: object, what: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def _common_len(node_key: np.ndarray, key: np.ndarray, page_size: int) -> int:
-    """Length of the common prefix of two keys, rounded down to whole pages."""
-    n = min(len(node_key), len(key))
-    mismatch = np.flatnonzero(node_key[:n] != key[:n])
-    common = int(mismatch[0]) if mismatch.size else n
-    return common - common % page_size
-
-
-class RadixCache:
+class RadixCache(PrefixCache):
     """Prefix tree of token ids over a ``PageAllocator``'s slots. Synchronous, no I/O."""
 
     def __init__(self, allocator: PageAllocator, *, disabled: bool = False) -> None:
@@ -108,9 +102,14 @@ class RadixCache:
         key = self._as_key(token_ids)
         if self.disabled:
             return MatchResult(_EMPTY.copy(), self.root)
-        last_node, _, values = self._descend(key)
-        slots = np.concatenate(values) if values else _EMPTY.copy()
-        return MatchResult(slots, last_node)
+        path, _ = self._walk(key)
+        slots = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
+        return MatchResult(slots, path[-1] if path else self.root)
+
+    def match_and_load(self, token_ids: object) -> CacheHit:
+        """:meth:`match_prefix`: this cache has no lower tier to load from."""
+        match = self.match_prefix(token_ids)
+        return CacheHit(match.slots, match.last_node, int(match.slots.size), 0, 0, [])
 
     def insert(self, token_ids: object, slots: object) -> int:
         """Insert the page-aligned part of the key; return how many tokens were already cached.
@@ -153,6 +152,10 @@ class RadixCache:
             node = node.parent
 
     # -- eviction --------------------------------------------------------------
+
+    def flush(self, *, device_only: bool = False) -> int:
+        """Evict every unlocked node (the device is the only tier)."""
+        return self.evict(self.evictable_size())
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed.
@@ -243,6 +246,33 @@ class RadixCache:
         slots = np.concatenate([*values, kv_slots[aligned_len:]])
         return CachedPrefix(slots, aligned_len, new_last_node)
 
+    # -- loads and backups: none without a lower tier --------------------------------
+
+    def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
+        """None: no node of this cache is ever loaded."""
+        return []
+
+    def discard_failed(self, nodes: Iterable[TreeNode]) -> None:
+        """Nothing to drop: no node of this cache is ever loaded."""
+
+    def check_can_back_up(self) -> None:
+        raise InvalidArgumentError(
+            "retracting into the tree needs the hierarchical cache (--enable-hierarchical-cache)"
+        )
+
+    def backup_prefix(self, token_ids: object) -> int:
+        self.check_can_back_up()
+        return 0
+
+    def backup_bytes(self) -> int:
+        return 0
+
+    def settle(self) -> None:
+        """Nothing to wait for: this cache issues no copies."""
+
+    def close(self) -> None:
+        """Nothing to release beyond the pool's own buffers."""
+
     # -- integrity ---------------------------------------------------------------
 
     def iter_nodes(self) -> Iterator[TreeNode]:
@@ -269,6 +299,9 @@ class RadixCache:
                 )
             self._count_device_node(node, where, num_tokens)
         self._check_counters(num_tokens)
+
+    def check_idle(self) -> None:
+        """Nothing beyond :meth:`check`: this cache has no lower tier."""
 
     def _check_root(self) -> None:
         root = self.root
@@ -324,31 +357,32 @@ class RadixCache:
         token_ids = _as_int_array(token_ids, "token_ids")
         return token_ids[: len(token_ids) - len(token_ids) % self.page_size]
 
-    def _descend(self, key: np.ndarray) -> tuple[TreeNode, int, list[np.ndarray]]:
+    def _walk(self, key: np.ndarray) -> tuple[list[TreeNode], int]:
         """Walk ``key`` as far as it matches, refreshing access times and splitting the
-        last node if the match ends inside it; return (node, matched_len, path values).
+        last node if the match ends inside it; return (path of nodes, matched_len).
 
         Every node visited is stamped before it is split (as SGLang does), so
         both halves of a split are fresh: the lower half was touched too.
         """
         self._clock += 1
-        node, matched_len, values = self.root, 0, []
+        node, matched_len, path = self.root, 0, []
         while matched_len < len(key):
             child = node.children.get(self._page_key(key, matched_len))
             if child is None:
                 break
             child.last_access_time = self._clock
-            common = _common_len(child.key, key[matched_len:], self.page_size)
+            common = common_prefix_len(child.key, key[matched_len:], self.page_size)
             if common < len(child.key):
                 child = self._split(child, common)
-            values.append(child.value)
+            path.append(child)
             matched_len += common
             node = child
-        return node, matched_len, values
+        return path, matched_len
 
     def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
         """Insert validated arrays; return (already-cached length, deepest node, path values)."""
-        node, prefix_len, values = self._descend(key)
+        path, prefix_len = self._walk(key)
+        node, values = path[-1] if path else self.root, [n.value for n in path]
         if prefix_len < len(key):
             # Copies: the caller may reuse its arrays, the tree must not see that.
             leaf = self._new_node(key[prefix_len:].copy(), slots[prefix_len:].copy(), node)
@@ -382,8 +416,8 @@ class RadixCache:
         if node.parent is None and node is not self.root:
             raise InvalidArgumentError(f"node {node.node_id} is not in the tree (evicted?)")
 
-    def _path_key(self, node: TreeNode) -> np.ndarray:
-        """The token ids from the root down to the end of ``node``."""
+    def path_key(self, node: TreeNode) -> np.ndarray:
+        """The token ids from the root down to the end of ``node``. Changes nothing."""
         self._check_attached(node)
         keys = []
         while node is not self.root:
@@ -425,7 +459,7 @@ class RadixCache:
             )
         # The locked node must end exactly where the tree's slots end, or the
         # ranges freed below would include slots the tree owns.
-        locked_key = self._path_key(last_node)
+        locked_key = self.path_key(last_node)
         if len(locked_key) != protected_len:
             raise InvalidArgumentError(
                 f"last_node ends at {len(locked_key)}, protected_len {protected_len}"
