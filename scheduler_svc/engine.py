@@ -49,6 +49,7 @@ log = logging.getLogger("scheduler_svc")
 
 Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
 GEN_THROUGHPUT_PASSES = 40  # SGLang's decode_log_interval
+HOLDS_KV = (ReqState.PREFILLING, ReqState.RUNNING)  # the states in which a request has KV
 
 
 @dataclass
@@ -587,7 +588,7 @@ class Engine:
             self.waiting.remove(req)
         if self.chunked is req:
             self.chunked = None
-        holds_kv = req.row is not None and req.state in (ReqState.PREFILLING, ReqState.RUNNING)
+        holds_kv = req.row is not None and req.state in HOLDS_KV
         host_copy = req.host_copy and req.is_retracted
         req.abort(message, status_code)
         if holds_kv:
@@ -598,6 +599,111 @@ class Engine:
         self.stats.aborted_reqs += 1
         self.reqs.pop(req.rid, None)
         self.emit(req, True)
+
+    # -- repairs between steps (scheduler_svc.recovery, the service) -------------
+
+    def requeue_kv_holders(self, why: str) -> list[Req]:
+        """memsvc lost our KV (``why``): every request that held some is retracted and
+        goes to the front of ``waiting``, in the order of ``reqs``; returns them.
+
+        Requests that finished (or were aborted) in the failed step before their
+        release reached memsvc are reported now: their output is complete. A
+        retracted request whose KV waited in the host store is re-prefilled.
+        Nothing is sent to memsvc: the KV is gone. The PD engines have their own.
+        """
+        requeued = []
+        for req in list(self.reqs.values()):
+            if req.is_finished:
+                self.report_ended(req)
+            elif req.state in HOLDS_KV:
+                req.reset_for_retract()
+                requeued.append(req)
+            elif req.host_copy:
+                # Offloaded by a retract: its host-store copy went with the old session
+                # (or the old memsvc), so it is re-prefilled instead of loaded back.
+                req.host_copy = False
+        self.running.clear()
+        self.chunked = None
+        self._requeue_first(requeued)
+        return requeued
+
+    async def rollback_torn(self) -> list[Req]:
+        """Undo the requests a failed step left half-scheduled; returns them.
+
+        Consistent between steps: a RUNNING request in ``running``, the chunked
+        request with no chunk in flight, queued requests without a row, and
+        what :meth:`_holds_kv_on_purpose` names. Anything else that holds KV
+        has its row freed in memsvc and goes to the front of ``waiting``.
+        Requests that finished in the failed step are reported.
+        """
+        keep = {id(r) for r in self.running if r.state is ReqState.RUNNING}
+        keep |= {id(r) for r in self._holds_kv_on_purpose()}
+        chunked = self.chunked
+        between_chunks = chunked is not None and chunked.state is ReqState.PREFILLING
+        if between_chunks and not chunked.extend_in_flight:
+            keep.add(id(chunked))
+        torn = []
+        for req in list(self.reqs.values()):
+            if req.is_finished:
+                self.report_ended(req)
+            elif req.state in HOLDS_KV and id(req) not in keep:
+                await self.mem.free_row(req.rid)
+                req.reset_for_retract()
+                torn.append(req)
+        self.running[:] = [r for r in self.running if id(r) in keep]
+        if self.chunked is not None and id(self.chunked) not in keep:
+            self.chunked = None
+        self._requeue_first(torn)
+        return torn
+
+    def _holds_kv_on_purpose(self) -> list[Req]:
+        """Requests outside ``running`` that hold KV between steps (none here; PD prefill:
+        those waiting for their transfer)."""
+        return []
+
+    def report_ended(self, req: Req) -> None:
+        """``req`` ended (finished or aborted) outside a step: it leaves ``reqs`` and every
+        queue, and its final result is emitted. Nothing is sent to memsvc."""
+        self.reqs.pop(req.rid, None)
+        for queue in (self.running, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.emit(req, True)
+
+    def fail_request(self, req: Req, message: str, status_code: int) -> None:
+        """End ``req`` with an error between steps and report it; for a request that
+        holds no KV (nothing is sent to memsvc)."""
+        req.abort(message, status_code)
+        self.stats.aborted_reqs += 1
+        self.report_ended(req)
+
+    def fail_all(self, message: str, status_code: int) -> None:
+        """A fault that cannot be repaired: end every live request with ``message`` (one
+        already finished keeps its result), report each, and empty every queue. The
+        KV they held is reclaimed by ending the memsvc session, not here."""
+        for req in list(self.reqs.values()):
+            if not req.is_finished:
+                req.abort(message, status_code)
+            self.reqs.pop(req.rid, None)
+            self.emit(req, True)
+        self.forget_all()
+
+    def forget_all(self) -> None:
+        """Every live request was failed and reported: drop every queue."""
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked = None
+
+    def _requeue_first(self, reqs: list[Req]) -> None:
+        """Put ``reqs`` at the front of ``waiting``, in order; the rest keep theirs."""
+        if not reqs:
+            return
+        again = {r.rid for r in reqs}
+        rest = [r for r in self.waiting if r.rid not in again]
+        self.waiting.clear()
+        self.waiting.extend([*reqs, *rest])
 
     def _sampling(self, req: Req) -> dict[str, Any]:
         params = req.sampling_params

@@ -3,8 +3,9 @@
 An engine step that raises has stopped half-way: a prefill batch may hold
 rows and slots whose forward pass never ran, a decode step may have
 allocated slots it never filled. :class:`Recovery` decides what the failure
-means and repairs the engine's queues (``running``, ``waiting``,
-``chunked``, ``reqs``) so that the next step starts from a consistent state:
+means and has the engine repair its own queues (its ``requeue_kv_holders``,
+``rollback_torn``, ``fail_request``) so that the next step starts from a
+consistent state:
 
 - **memsvc lost our KV** (it restarted with a new epoch and an empty pool, it
   stopped answering, it expired our session after a stall, which model_svc
@@ -16,7 +17,7 @@ means and repairs the engine's queues (``running``, ``waiting``,
   keeps its output, and it is re-prefilled from ``origin_input_ids +
   output_ids`` ahead of the requests that never started. With greedy (or
   seeded) sampling its tokens come out the same. A PD engine has its own
-  queues and says what losing the KV means for them (its
+  queues and says what losing the KV means for them (its own
   ``requeue_kv_holders(why)``, see :mod:`scheduler_svc.pd`).
 - **a request id is owned by another session** (the session of a scheduler
   that died before us, until memsvc ends it): undo the half-built batch and
@@ -39,7 +40,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -52,7 +53,9 @@ from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveClientKeys
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 from model_svc.client import ForwardError
-from scheduler_svc.core import Req, ReqState
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine import Engine
 
 log = logging.getLogger("scheduler_svc")
 
@@ -63,7 +66,6 @@ NOT_OWNER_PAUSE_S = 0.25
 BACKOFF_START_S = 0.1
 BACKOFF_MAX_S = 2.0
 GOODBYE_TIMEOUT_S = 2.0
-HOLDS_KV = (ReqState.PREFILLING, ReqState.RUNNING)
 
 
 class RecoveryFailedError(Exception):
@@ -88,83 +90,6 @@ def kv_lost(exc: BaseException) -> bool:
         return True
     # model_svc maps a newer pool than the one we named: memsvc restarted under us.
     return isinstance(exc, ForwardError) and exc.code == "stale_pool"
-
-
-def requeue_after_kv_loss(engine: Any, why: str) -> list[Req]:
-    """The engine's own ``requeue_kv_holders(why)`` (PD), else :func:`requeue_kv_holders`."""
-    hook = getattr(engine, "requeue_kv_holders", None)
-    return hook(why) if hook is not None else requeue_kv_holders(engine)
-
-
-def requeue_kv_holders(engine: Any) -> list[Req]:
-    """Every request that held KV becomes retracted and goes to the front of ``waiting``.
-
-    Requests that finished (or were aborted) in the failed step before their
-    release reached memsvc are reported now: their output is complete. A
-    retracted request whose KV waited in the host store is re-prefilled.
-    """
-    requeued = []
-    for req in list(engine.reqs.values()):
-        if req.is_finished:
-            _report(engine, req)
-        elif req.state in HOLDS_KV:
-            req.reset_for_retract()
-            requeued.append(req)
-        elif getattr(req, "host_copy", False):
-            # Offloaded by a retract: its host-store copy went with the old session
-            # (or the old memsvc), so it is re-prefilled instead of loaded back.
-            req.host_copy = False
-    engine.running.clear()
-    engine.chunked = None
-    _put_in_front(engine, requeued)
-    return requeued
-
-
-async def rollback_torn(engine: Any) -> list[Req]:
-    """Undo the requests a failed step left half-scheduled; the consistent ones stay.
-
-    Consistent between steps: a RUNNING request in ``running``, the chunked
-    request with no chunk in flight, and queued requests without a row.
-    Anything else that holds KV has its row freed and is re-queued, first.
-    """
-    keep = {id(r) for r in engine.running if r.state is ReqState.RUNNING}
-    # PD prefill: a request waiting for its transfer holds its KV on purpose.
-    keep |= {id(r) for r in getattr(engine, "inflight", {}).values()}
-    chunked = engine.chunked
-    between_chunks = chunked is not None and chunked.state is ReqState.PREFILLING
-    if between_chunks and not chunked.extend_in_flight:
-        keep.add(id(chunked))
-    torn = []
-    for req in list(engine.reqs.values()):
-        if req.is_finished:
-            _report(engine, req)
-        elif req.state in HOLDS_KV and id(req) not in keep:
-            await engine.mem.free_row(req.rid)
-            req.reset_for_retract()
-            torn.append(req)
-    engine.running[:] = [r for r in engine.running if id(r) in keep]
-    if engine.chunked is not None and id(engine.chunked) not in keep:
-        engine.chunked = None
-    _put_in_front(engine, torn)
-    return torn
-
-
-def _put_in_front(engine: Any, reqs: list[Req]) -> None:
-    if not reqs:
-        return
-    rest = [r for r in engine.waiting if all(r is not q for q in reqs)]
-    engine.waiting.clear()
-    engine.waiting.extend([*reqs, *rest])
-
-
-def _report(engine: Any, req: Req) -> None:
-    engine.reqs.pop(req.rid, None)
-    for queue in (engine.running, engine.waiting):
-        if req in queue:
-            queue.remove(req)
-    if engine.chunked is req:
-        engine.chunked = None
-    engine.emit(req, True)
 
 
 async def end_session(
@@ -198,7 +123,7 @@ class Recovery:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         connect_mem: Callable[[], Awaitable[AsyncMemClient]] | None,
         memsvc_address: str = "",
         *,
@@ -261,7 +186,7 @@ class Recovery:
             )
         why = f"{type(exc).__name__}: {exc}"
         await self.new_session(why)
-        requeued = requeue_after_kv_loss(self.engine, why)
+        requeued = self.engine.requeue_kv_holders(why)
         self.stats.requeued_reqs += len(requeued)
         log.warning(
             "memsvc recovery: new session (epoch %s); %d requests re-queued for re-prefill: %s",
@@ -289,7 +214,7 @@ class Recovery:
 
     async def _not_owner(self, exc: NotOwnerError) -> float:
         head = self.engine.waiting[0] if self.engine.waiting else None
-        torn = await rollback_torn(self.engine)
+        torn = await self.engine.rollback_torn()
         self.stats.rolled_back_reqs += len(torn)
         self.stats.not_owner_waits += 1
         if head is None:
@@ -300,9 +225,8 @@ class Recovery:
             log.warning("request %s is still held by another memsvc session: waiting", head.rid)
         elif now - self._blocked[1] > self.recovery_timeout_s:
             self._blocked = None
-            head.abort(f"request id {head.rid!r} is held by another memsvc session: {exc}", 409)
-            self.engine.stats.aborted_reqs += 1
-            _report(self.engine, head)
+            message = f"request id {head.rid!r} is held by another memsvc session: {exc}"
+            self.engine.fail_request(head, message, 409)
         return NOT_OWNER_PAUSE_S
 
     async def new_session(self, why: str, *, timeout_s: float | None = None) -> None:
@@ -327,9 +251,6 @@ class Recovery:
 
     async def reclaim(self) -> None:
         """After every live request was failed: a new session, so nothing stays held."""
-        forget_all = getattr(self.engine, "forget_all", None)  # PD engines' own queues
-        if forget_all is not None:
-            forget_all()
         if self.connect_mem is None:
             return
         try:

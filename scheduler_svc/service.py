@@ -483,14 +483,7 @@ class SchedulerService:
 
     async def _fail_everything(self, why: str) -> None:
         """A peer failed mid-step: end every live request with an explicit error."""
-        for req in list(self.engine.reqs.values()):
-            if not req.is_finished:
-                req.abort(f"scheduler could not continue: {why}", 503)
-            self.engine.reqs.pop(req.rid, None)
-            self._emit(req, True)
-        self.engine.waiting.clear()
-        self.engine.running.clear()
-        self.engine.chunked = None
+        self.engine.fail_all(f"scheduler could not continue: {why}", 503)
         self.recovery.stats.failures += 1
         await self.recovery.reclaim()  # a new memsvc session: nothing we held stays held
 

@@ -298,8 +298,7 @@ class DecodeEngine(Engine):
         lost = []
         for req in list(self.reqs.values()):
             if req.is_finished:
-                self.reqs.pop(req.rid, None)
-                self.emit(req, True)
+                self.report_ended(req)
             elif id(req) not in queued:
                 if req.state is ReqState.RUNNING:
                     req.reset_for_retract()
@@ -315,6 +314,7 @@ class DecodeEngine(Engine):
 
     def forget_all(self) -> None:
         """Every live request was failed (and reported): drop the PD queues too."""
+        super().forget_all()
         self._drop_kv_queues()
         self.prealloc.clear()
 

@@ -136,7 +136,7 @@ class PrefillEngine(Engine):
         requeued = []
         for req in list(self.reqs.values()):
             if req.is_finished:
-                self._report(req)
+                self.report_ended(req)
             elif req.output_ids:
                 fresh = Req(
                     req.rid,
@@ -155,17 +155,14 @@ class PrefillEngine(Engine):
         self.inflight.clear()
         self.running.clear()
         self.chunked = None
-        rest = [r for r in self.waiting if all(r.rid != q.rid for q in requeued)]
-        self.waiting.clear()
-        self.waiting.extend([*requeued, *rest])
+        self._requeue_first(requeued)
         return requeued
+
+    def _holds_kv_on_purpose(self) -> list[Req]:
+        """A request waiting for its transfer holds its KV on purpose."""
+        return list(self.inflight.values())
 
     def forget_all(self) -> None:
         """Every live request was failed (and reported): drop the PD queues too."""
+        super().forget_all()
         self.inflight.clear()
-
-    def _report(self, req: Req) -> None:
-        self.reqs.pop(req.rid, None)
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self.emit(req, True)
