@@ -1,9 +1,13 @@
 """``kvstack serve``: the stack behind an SGLang-compatible HTTP server.
 
+One module per endpoint family over one shared request path:
+
 - :mod:`.cli`: the command (flags, starting the stack, signals);
-- :mod:`.app`: the aiohttp application and SGLang's native routes;
-- :mod:`.openai_routes`: the ``/v1`` routes (a base class of the application);
-- :mod:`.api`: request bodies, SSE framing and the metrics merge;
-- :mod:`.sglang_fields`: SGLang's request fields, which are honoured, which refused;
-- :mod:`.openai_api`: the OpenAI-compatible request and answer shapes.
+- :mod:`.app`: the aiohttp application: routes, error replies, both families built;
+- :mod:`.request_path`: the one path to the scheduler both families are given;
+- :mod:`.sglang`: SGLang's native ``/generate`` and admin endpoints, its request fields;
+- :mod:`.openai`: the OpenAI-compatible ``/v1`` endpoints, vLLM's layout;
+- shared pieces: :mod:`.body` (reading and decoding bodies), :mod:`.errors`,
+  :mod:`.streaming` (SSE, streamed text and ``meta_info``), :mod:`.metrics`,
+  :mod:`.limits`, :mod:`.connections`.
 """

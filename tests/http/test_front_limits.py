@@ -26,7 +26,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvstack.serve.app import Backend, HttpFront
-from kvstack.serve.sglang_fields import find_non_finite
+from kvstack.serve.body import find_non_finite
 from model_svc.tokenizer import ByteTokenizer
 
 NOWHERE = "ipc:///nonexistent/kvstack-limits-test.sock"
@@ -46,7 +46,7 @@ def _front(**kwargs: Any) -> HttpFront:
     async def info() -> dict[str, Any]:  # /health without a scheduler: the loop alone
         return {}
 
-    front._info = info  # type: ignore[method-assign]
+    front.path.info = info  # type: ignore[method-assign]
     return front
 
 

@@ -24,13 +24,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstack.serve.api import ITL_BUCKETS, TTFT_BUCKETS, StreamMeta, StreamText
-from kvstack.serve.sglang_fields import (
+from kvstack.serve.metrics import ITL_BUCKETS, TTFT_BUCKETS
+from kvstack.serve.sglang.fields import (
     FRONT_SAMPLING,
     GENERATE_DEFAULTS,
     SAMPLING_DEFAULTS,
     honoured_sampling,
 )
+from kvstack.serve.streaming import StreamMeta, StreamText
 from model_svc.tiny import write_tiny_checkpoint
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.client import AsyncGenerateClient, GenerateResult

@@ -1,13 +1,13 @@
-"""OpenAI's completions and chat completions, as SGLang's OpenAI server speaks them.
+"""OpenAI's completions and chat completions requests, as SGLang's OpenAI server takes them.
 
 Plain functions and pydantic models, no I/O: a request body becomes the
-:class:`kvstack.serve.api.GenerateOne` requests to send (one per prompt and
-sample, in SGLang's order: prompt by prompt, each prompt's ``n`` samples
-together), and the scheduler's results become OpenAI's response objects and
-stream chunks. The sampling fields map to SGLang's ``sampling_params`` as
-SGLang maps them (``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` ->
-``min_new_tokens``, ``seed`` -> ``sampling_seed``...), so that one rule
-(:mod:`.sglang_fields`) decides what is honoured and what is refused. The
+:class:`kvstack.serve.sglang.protocol.GenerateOne` requests to send (one per
+prompt and sample, in SGLang's order: prompt by prompt, each prompt's ``n``
+samples together), as SGLang's OpenAI server makes ``GenerateReqInput``s.
+The sampling fields map to SGLang's ``sampling_params`` as SGLang maps them
+(``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` -> ``min_new_tokens``,
+``seed`` -> ``sampling_seed``...), so that one rule
+(:mod:`kvstack.serve.sglang.fields`) decides what is honoured and what is refused. The
 fields of SGLang's request models that kvstack does not honour are accepted
 at their defaults and refused (400 naming them) otherwise; unknown fields are
 refused too.
@@ -18,21 +18,19 @@ the answer; ``GET /v1/models`` names the served model.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvstack.serve.api import (
+from kvstack.serve.errors import ApiError, validation_message
+from kvstack.serve.sglang.fields import MAX_N, Unsupported, check_default_only
+from kvstack.serve.sglang.protocol import (
     MAX_TOP_LOGPROBS,
-    ApiError,
     GenerateOne,
     check_prompt_len,
     parallel_samples,
 )
-from kvstack.serve.sglang_fields import MAX_N, Unsupported, check_default_only
 from scheduler_svc.protocol import EMPTY_PROMPT, MAX_PROMPT_TOKENS, Int64
 
 DEFAULT_MODEL_NAME = "default"  # SGLang's, for a request that names no model
@@ -264,11 +262,8 @@ def parse_openai(model: type[_Request], data: Any) -> Any:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-        parts = []
-        for err in errors:
-            where = ".".join(str(p) for p in err["loc"])
-            parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-        raise ApiError(400, "invalid_request", "; ".join(parts), param=param or None) from None
+        message = validation_message(exc)
+        raise ApiError(400, "invalid_request", message, param=param or None) from None
 
 
 def generate_ones(
@@ -308,136 +303,3 @@ def generate_ones(
             raise ApiError(400, "invalid_request", str(exc)) from None
         out += parallel_samples(one.check_prompt(), request.n)
     return out
-
-
-# -- answers ----------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
-
-
-def finish(meta_info: dict[str, Any]) -> tuple[str | None, Any]:
-    """OpenAI's ``finish_reason`` and SGLang's ``matched_stop`` from the scheduler's."""
-    reason = meta_info.get("finish_reason")
-    if not isinstance(reason, dict):
-        return None, None
-    return reason.get("type"), reason.get("matched")
-
-
-def usage(results: Sequence[dict[str, Any]], n: int) -> dict[str, Any]:
-    """OpenAI's usage of ``results`` (meta_infos); each prompt counted once, not ``n``
-    times, as SGLang counts it."""
-    prompt = sum(int(m.get("prompt_tokens", 0)) for m in results[::n])
-    completion = sum(int(m.get("completion_tokens", 0)) for m in results)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-class TokenText:
-    """Each token's own text, for logprobs (special tokens shown)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-
-    def __call__(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special=False)
-
-
-def completion_logprobs(
-    token_logprobs: Sequence[Any] | None,
-    top_logprobs: Sequence[Any] | None,
-    text: TokenText,
-    offset: int = 0,
-) -> dict[str, Any]:
-    """OpenAI's completions ``logprobs`` from SGLang's ``[logprob, id, _]`` lists;
-    ``offset``: where in the text the first token starts."""
-    out: dict[str, Any] = {
-        "text_offset": [],
-        "token_logprobs": [],
-        "tokens": [],
-        "top_logprobs": [],
-    }
-    tops = list(top_logprobs or [])
-    for i, (logprob, token_id, *_) in enumerate(token_logprobs or []):
-        token = text(token_id)
-        out["text_offset"].append(offset)
-        offset += len(token)
-        out["token_logprobs"].append(logprob)
-        out["tokens"].append(token)
-        top = tops[i] if i < len(tops) else None
-        if top is None:
-            out["top_logprobs"].append(None)
-        else:
-            out["top_logprobs"].append({text(t[1]): t[0] for t in top})
-    return out
-
-
-def chat_logprobs(
-    token_logprobs: Sequence[Any] | None, top_logprobs: Sequence[Any] | None, text: TokenText
-) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs`` (``{"content": [...]}``) from SGLang's lists."""
-
-    def entry(logprob: float, token_id: int) -> dict[str, Any]:
-        token = text(token_id)
-        return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": logprob}
-
-    tops = list(top_logprobs or [])
-    content = []
-    for i, (logprob, token_id, *_) in enumerate(token_logprobs or []):
-        top = tops[i] if i < len(tops) else None
-        content.append(
-            {**entry(logprob, token_id), "top_logprobs": [entry(t[0], t[1]) for t in top or []]}
-        )
-    return {"content": content}
-
-
-def completion_object(
-    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any] | None
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
-
-
-def chat_object(
-    request_id: str,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: dict[str, Any] | None,
-    *,
-    chunk: bool,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chunk else "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None or not chunk:
-        body["usage"] = usage_
-    return body
-
-
-def model_card(name: str, max_model_len: int | None) -> dict[str, Any]:
-    """SGLang's ``ModelCard``."""
-    return {
-        "id": name,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "sglang",
-        "root": name,
-        "parent": None,
-        "max_model_len": max_model_len,
-    }

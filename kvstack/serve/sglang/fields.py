@@ -17,14 +17,13 @@ translations :func:`sampling_to_kvstack` makes (SGLang's ``top_k: -1`` and
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 # SGLang's GenerateReqInput fields that the front does not take as fields of its own
 # (text, input_ids, sampling_params, stream, rid, priority, return_logprob,
 # logprob_start_len, top_logprobs_num, return_text_in_logprobs, log_metrics, no_logs
-# are honoured: kvstack.serve.api.GenerateOne), with SGLang's defaults. ``None`` for a
+# are honoured: kvstack.serve.sglang.protocol.GenerateOne), with SGLang's defaults. ``None`` for a
 # field whose default is None: SGLang treats null as "unset" for every one of them.
 GENERATE_DEFAULTS: dict[str, Any] = {
     "session_id": None,
@@ -89,7 +88,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "kv_hints": None,
 }
 
-# The GenerateReqInput fields kvstack honours (kvstack.serve.api.GenerateOne's fields).
+# The GenerateReqInput fields kvstack honours (GenerateOne's fields).
 GENERATE_HONOURED = (
     "text",
     "input_ids",
@@ -258,57 +257,3 @@ def pop_n(sampling: Any, where: str = "sampling_params.n") -> tuple[Any, int]:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
         raise ValueError(f"{where}: must be an integer in 1..{MAX_N}, got {_short(n)}")
     return rest, n
-
-
-def find_non_finite(data: Any) -> str | None:
-    """The path of the first NaN or infinity in parsed JSON (``a.b[2]``), or None.
-
-    One pass that allocates nothing per value: a stack of the open containers'
-    iterators and of the keys that led into them; a path is built only for the
-    value found. A list with no float or container in it (a prompt's ids) is
-    passed over at C speed.
-    """
-    if not isinstance(data, (dict, list)):
-        bad = isinstance(data, float) and not math.isfinite(data)
-        return "(the body)" if bad else None
-    if _plain(data):
-        return None
-    keys: list[Any] = []  # keys[i]: where in frames[i] frames[i + 1] is
-    frames: list[Iterator[tuple[Any, Any]]] = [_entries(data)]
-    while frames:
-        for key, value in frames[-1]:
-            if isinstance(value, float):
-                if not math.isfinite(value):
-                    return _path([*keys, key])
-            elif isinstance(value, (dict, list)) and not _plain(value):
-                keys.append(key)
-                frames.append(_entries(value))
-                break
-        else:  # this container is done
-            frames.pop()
-            if keys:
-                keys.pop()
-    return None
-
-
-_WALKED = frozenset({float, dict, list})  # json.loads makes exactly these types
-
-
-def _plain(container: dict[str, Any] | list[Any]) -> bool:
-    """A list holding nothing to look into (no float, no container)."""
-    return isinstance(container, list) and _WALKED.isdisjoint(map(type, container))
-
-
-def _entries(container: dict[str, Any] | list[Any]) -> Iterator[tuple[Any, Any]]:
-    return iter(container.items()) if isinstance(container, dict) else enumerate(container)
-
-
-def _path(keys: list[Any]) -> str:
-    """``a.b[2]`` from ``["a", "b", 2]``: list indices are ints, object keys strings."""
-    out = ""
-    for key in keys:
-        if isinstance(key, int):
-            out += f"[{key}]"
-        else:
-            out += f".{key}" if out else str(key)
-    return out
