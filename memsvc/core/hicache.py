@@ -734,6 +734,15 @@ class HiRadixCache(RadixCache):
             self._split(node, num_good * self.page_size).load_fence = None
         return True
 
+    def wait_load(self, node: TreeNode, fence: CopyFence) -> bool:
+        fence.wait()
+        if node.load_fence is not fence:
+            return False  # seen to by whoever found it first
+        if fence.error() is None:
+            node.load_fence = None
+            return False
+        return node.parent is not None
+
     def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
         """The nodes from ``nodes`` up to the root whose load failed, each cut after the
         pages its load verified (:meth:`split_failed`): the parts to drop."""

@@ -121,8 +121,8 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
         problems.append("host store byte accounting is off")
 
     if idle:
-        if pool._loading:
-            problems.append(f"idle but {len(pool._loading)} prefix loads are tracked")
+        if pool.num_loading:
+            problems.append(f"idle but {pool.num_loading} prefix loads are tracked")
         try:
             pool.tree.check_idle()
         except IntegrityError as exc:

@@ -13,6 +13,12 @@ which); :meth:`KVPool.check_integrity` verifies that and all the accounting.
 Every method runs to completion and either succeeds or raises a typed
 :class:`~memsvc.core.errors.MemsvcError` having changed nothing; allocation
 that cannot be satisfied returns ``None``, also without changing anything.
+
+The pool delegates to its parts: the prefix cache (``tree``, a
+:class:`~memsvc.core.prefix_cache.PrefixCache`: :class:`RadixCache`, or
+:class:`HiRadixCache` over the host and storage tiers), each request's side
+of it (:mod:`memsvc.core.request_prefix`), batched decode rows
+(:mod:`memsvc.core.decode_rows`) and retraction (:mod:`memsvc.core.retract`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from memsvc.core.allocator import (
-    OWNER_TREE,
     SLOT_DTYPE,
     PageAllocator,
     extend_slots,
@@ -34,13 +39,11 @@ from memsvc.core.backends import create_buffers
 from memsvc.core.decode_rows import DecodeRows
 from memsvc.core.errors import (
     DuplicateRequestError,
-    IntegrityError,
     InvalidArgumentError,
     OutOfRowsError,
     PrefixCutError,
     UnknownRequestError,
 )
-from memsvc.core.fence import CopyFence
 from memsvc.core.hicache import HiCacheConfig, HiRadixCache
 from memsvc.core.host_store import HostStore
 from memsvc.core.integrity import check_pool
@@ -48,6 +51,7 @@ from memsvc.core.layout import PoolLayout
 from memsvc.core.prefix_cache import PrefixCache
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
+from memsvc.core.request_prefix import RequestPrefixes, TierMatch, as_token_array
 from memsvc.core.retract import RetractResult, retract_until_fits
 
 
@@ -73,24 +77,6 @@ class ReqKV:
     @kv_len.setter
     def kv_len(self, value: int) -> None:
         self.kv_lens[self.row] = value
-
-
-@dataclass(frozen=True)
-class TierMatch:
-    """A prefix match over the tiers: ``prefix_len`` = device + host + storage tokens."""
-
-    prefix_len: int
-    device_tokens: int
-    host_tokens: int
-    storage_tokens: int
-    load_pending: bool  # a copy may still be filling the loaded pages
-
-
-def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    array = np.asarray(token_ids, dtype=np.int64)
-    if array.ndim != 1:
-        raise InvalidArgumentError(f"token ids must be one-dimensional, got shape {array.shape}")
-    return array
 
 
 class KVPool:
@@ -135,10 +121,9 @@ class KVPool:
         # Bumped whenever a request opens or closes: a batch of rows checked at
         # one generation is still valid while the generation is unchanged.
         self.rows_generation = 0
-        # rid -> (node, copy) loading its matched prefix (hicache): alloc_extend waits for them.
-        self._loading: dict[str, list[tuple[TreeNode, CopyFence]]] = {}
-        # rid -> the prefix length it holds since a failed load cut it back, until it is told
-        self._cut: dict[str, int] = {}
+        # Requests' prefixes in the tree: matched in (with the loads alloc_extend waits
+        # for, hicache), published, handed back.
+        self._prefixes = RequestPrefixes(self.tree, self.table, self.allocator, self._reqs)
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -158,6 +143,11 @@ class KVPool:
 
     def protected_size(self) -> int:
         return self.tree.protected_size()
+
+    @property
+    def num_loading(self) -> int:
+        """Requests whose matched prefix has loads not yet waited for (hicache)."""
+        return self._prefixes.num_loading
 
     def held_size(self) -> int:
         """Tokens on pages that live requests own (not counting their locked tree prefix)."""
@@ -228,25 +218,7 @@ class KVPool:
             raise InvalidArgumentError(
                 f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
             )
-        for _ in range(len(tokens) // self.page_size + 1):
-            match = self.tree.match_and_load(tokens)
-            failed = [n for n, f in match.loads if f.done() and f.error() is not None]
-            if not failed:
-                break
-            self._cut_failed_loads(failed)  # a load that failed earlier: cut it, match again
-        self.tree.lock(match.last_node)
-        self.table.write(req.row, 0, match.slots)
-        req.last_node = match.last_node
-        req.kv_len = req.protected_len = int(match.slots.size)
-        if match.loads:
-            self._loading[rid] = match.loads
-        return TierMatch(
-            req.kv_len,
-            match.device_tokens,
-            match.host_tokens,
-            match.storage_tokens,
-            match.load_pending,
-        )
+        return self._prefixes.match(req, tokens)
 
     def settle_loads(self, rids: Iterable[str]) -> dict[str, int]:
         """Wait for the loads of ``rids``' matched prefixes (hicache).
@@ -256,53 +228,11 @@ class KVPool:
         verification, a miss for the requests holding it alone. Their rows keep
         the good prefix (locked) and nothing else; they recompute from there.
         """
-        rids = list(rids)
-        failed = []
-        for rid in rids:
-            for node, fence in self._loading.pop(rid, ()):
-                fence.wait()
-                if node.load_fence is not fence:
-                    continue  # seen to by whoever found it first
-                if fence.error() is None:
-                    node.load_fence = None
-                elif node.parent is not None:
-                    failed.append(node)
-        if failed:
-            self._cut_failed_loads(failed)
-        return {rid: self._cut.pop(rid) for rid in rids if rid in self._cut}
+        return self._prefixes.settle(rids)
 
     def wait_loaded(self, rid: str) -> int | None:
         """:meth:`settle_loads` for one request: its prefix length if it was cut, else None."""
         return self.settle_loads([rid]).get(rid)
-
-    def _cut_failed_loads(self, nodes: list[TreeNode]) -> None:
-        """Nodes whose load failed: keep each one's verified pages, cut every request
-        holding the rest back to the last good node, drop the rest from every tier."""
-        tree = self.tree
-        bad = {id(n): n for n in tree.failed_loads_above(nodes)}
-        for req in self._reqs.values():
-            top, at = None, req.last_node
-            while at is not None and at is not tree.root:
-                if id(at) in bad:
-                    top = at
-                at = at.parent
-            if top is not None:
-                self._cut_back(req, top.parent)
-        tree.discard_failed(bad.values())
-        for rid, loads in list(self._loading.items()):
-            self._loading[rid] = [(n, f) for n, f in loads if id(n) not in bad]
-
-    def _cut_back(self, req: ReqKV, last_node: TreeNode) -> None:
-        """Cut ``req``'s matched prefix back to end at ``last_node`` (an ancestor)."""
-        if req.kv_len != req.protected_len:
-            raise IntegrityError(f"{req.rid!r} ran an extend over a load that failed")
-        prefix_len = int(self.tree.path_key(last_node).size)
-        self.tree.lock(last_node)
-        self.tree.unlock(req.last_node)
-        self.table.write(req.row, prefix_len, np.zeros(req.kv_len - prefix_len, dtype=SLOT_DTYPE))
-        req.kv_len = req.protected_len = prefix_len
-        req.last_node = last_node
-        self._cut[req.rid] = prefix_len
 
     def extend_tokens_required(self, items: Iterable[tuple[str, int]]) -> int:
         """Free slots an :meth:`alloc_extend` of ``items`` would consume."""
@@ -341,7 +271,7 @@ class KVPool:
         """
         items = list(items)
         total_pages, per_request = self._pages_for_extend(items)
-        if self._loading or self._cut:
+        if self._prefixes.busy:
             cut = self.settle_loads(rid for rid, _ in items)
             if cut:
                 raise PrefixCutError.of(cut)
@@ -437,14 +367,7 @@ class KVPool:
 
         ``token_ids`` are the request's tokens whose KV is written (``kv_len`` of them).
         """
-        req = self.request(rid)
-        tokens = self._committed_tokens(req, token_ids)
-        kv_slots = self.table.read(req.row, 0, req.kv_len)
-        cached = self.tree.cache_unfinished_req(tokens, kv_slots, req.protected_len, req.last_node)
-        self._hand_to_tree(req, kv_slots[req.protected_len : cached.protected_len])
-        self.table.write(req.row, req.protected_len, cached.slots[req.protected_len :])
-        req.protected_len, req.last_node = cached.protected_len, cached.last_node
-        return req.protected_len
+        return self._prefixes.publish(self.request(rid), token_ids)
 
     def release(
         self,
@@ -459,21 +382,7 @@ class KVPool:
         evictable), everything after it is freed, nothing is inserted.
         """
         req = self.request(rid)
-        if self._loading:
-            self._loading.pop(rid, None)  # its pages stay pending behind the copy if freed
-        self._cut.pop(rid, None)
-        if is_insert:
-            if token_ids is None:
-                raise InvalidArgumentError("release with is_insert=True needs the token ids")
-            tokens = self._committed_tokens(req, token_ids)
-        else:
-            tokens = np.zeros(req.kv_len, dtype=np.int64)  # only the length matters
-        kv_slots = self.table.read(req.row, 0, req.kv_len)
-        self.tree.cache_finished_req(
-            tokens, kv_slots, req.protected_len, req.last_node, is_insert=is_insert
-        )
-        if is_insert:
-            self._hand_to_tree(req, kv_slots[req.protected_len :])
+        self._prefixes.hand_back(req, token_ids, is_insert=is_insert)
         # Zeroed, so a worker handed a stale row sees slot 0 (the padding page) and refuses.
         self.table.write(req.row, 0, np.zeros(req.kv_len, dtype=SLOT_DTYPE))
         self.table.free(req.row)
@@ -484,13 +393,7 @@ class KVPool:
     def check_tree_tokens(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> None:
         """Raise unless ``token_ids`` can be ``rid``'s :meth:`release_to_tree` tokens."""
         self.tree.check_can_back_up()
-        req = self.request(rid)
-        tokens = self._committed_tokens(req, token_ids)
-        locked = self.tree.path_key(req.last_node)
-        if not np.array_equal(tokens[: locked.size], locked):
-            raise InvalidArgumentError(
-                f"token ids of {rid!r} differ from the cached prefix it holds"
-            )
+        self._prefixes.check_tree_tokens(self.request(rid), token_ids)
 
     def release_to_tree(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
         """Close ``rid`` inserting its KV into the tree, and back its path up to the host
@@ -500,24 +403,6 @@ class KVPool:
         self.release(rid, token_ids, is_insert=True)
         self.tree.backup_prefix(token_ids)
         return self.tree.backup_bytes() - before
-
-    def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        tokens = as_token_array(token_ids)
-        if tokens.size != req.kv_len:
-            raise InvalidArgumentError(
-                f"{req.rid!r} has KV for {req.kv_len} tokens, got {tokens.size} token ids"
-            )
-        return tokens
-
-    def _hand_to_tree(self, req: ReqKV, slots: np.ndarray) -> None:
-        """Pages of ``slots`` that the request still owns after an insert now belong to the tree."""
-        if not slots.size:
-            return
-        pages = np.unique(slots // self.page_size)
-        owners = self.allocator.owners()[pages]
-        # Duplicates were freed by the tree and the unaligned tail stays the
-        # request's (or was freed): what the request still owns here was inserted.
-        self.allocator.set_owner(pages[owners == req.row], OWNER_TREE, expected=req.row)
 
     # -- host store ------------------------------------------------------------
 

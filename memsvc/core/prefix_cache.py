@@ -154,6 +154,12 @@ class PrefixCache(ABC):
     # -- loads and backups (no-ops for a device-only cache) --------------------------
 
     @abstractmethod
+    def wait_load(self, node: TreeNode, fence: CopyFence) -> bool:
+        """Wait for ``fence``, a load :meth:`match_and_load` handed out for ``node``;
+        return whether it failed and ``node`` is still to be dropped
+        (:meth:`failed_loads_above`). Changes the node's load state only."""
+
+    @abstractmethod
     def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
         """The nodes from ``nodes`` up to the root whose load failed: the parts to drop.
 

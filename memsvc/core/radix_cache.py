@@ -26,6 +26,7 @@ import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
@@ -247,6 +248,11 @@ class RadixCache(PrefixCache):
         return CachedPrefix(slots, aligned_len, new_last_node)
 
     # -- loads and backups: none without a lower tier --------------------------------
+
+    def wait_load(self, node: TreeNode, fence: CopyFence) -> bool:
+        """No load of this cache ever fails: it hands out none."""
+        fence.wait()
+        return False
 
     def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
         """None: no node of this cache is ever loaded."""
