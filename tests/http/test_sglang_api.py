@@ -437,6 +437,23 @@ def test_the_sampling_fields_kvstack_honours_include_sglangs_main_ones() -> None
     } <= honoured_sampling()
 
 
+def test_a_sampling_field_is_mapped_by_its_name_not_by_hand(monkeypatch) -> None:
+    """SGLang's ``sampling_params`` and OpenAI's bodies reach the scheduler's sampling
+    record by the record's field names (issue 27, item 3): a field the scheduler learns
+    under a name both APIs share passes with no change in the front (OpenAI's bodies: once
+    they declare it)."""
+    from kvstack.serve.openai.protocol import CompletionIn
+    from kvstack.serve.sglang import fields
+
+    learned = {*honoured_sampling(), "frequency_penalty"}  # as if the scheduler learned it
+    monkeypatch.setattr(fields, "honoured_sampling", lambda: learned)
+    assert fields.sampling_to_kvstack({"frequency_penalty": 0.5}) == {"frequency_penalty": 0.5}
+    body = CompletionIn.model_validate({"prompt": "a", "frequency_penalty": 0.5, "seed": 3})
+    sampling = body.sampling(4)
+    assert sampling["frequency_penalty"] == 0.5 and sampling["seed"] == 3
+    assert sampling["max_new_tokens"] == 4 and "n" not in sampling
+
+
 def _stop_in(text: str) -> tuple[int, str]:
     """A two-character ASCII stop string first found at ``at`` >= 1 in ``text``."""
     for at in range(1, len(text) - 1):

@@ -4,10 +4,13 @@ Plain functions and pydantic models, no I/O: a request body becomes the
 :class:`kvstack.serve.sglang.protocol.GenerateOne` requests to send (one per
 prompt and sample, in SGLang's order: prompt by prompt, each prompt's ``n``
 samples together), as SGLang's OpenAI server makes ``GenerateReqInput``s.
-The sampling fields map to SGLang's ``sampling_params`` as SGLang maps them
-(``max_tokens`` -> ``max_new_tokens``, ``min_tokens`` -> ``min_new_tokens``,
-``seed`` -> ``sampling_seed``...), so that one rule
-(:mod:`kvstack.serve.sglang.fields`) decides what is honoured and what is refused. The
+The sampling fields map to SGLang's ``sampling_params`` in one place,
+:meth:`_Request.sampling`: every field of the body that is a sampling
+parameter by its name (the scheduler's :class:`~scheduler_svc.protocol.GenSampling`
+or SGLang's ``SamplingParams``) passes under that name, ``max_tokens`` and
+``min_tokens`` under SGLang's; so one rule (:mod:`kvstack.serve.sglang.fields`)
+decides what is honoured and what is refused, and a sampling field the
+scheduler learns is honoured here once the body declares it. The
 fields of SGLang's request models that kvstack does not honour are accepted
 at their defaults and refused (400 naming them) otherwise; unknown fields are
 refused too.
@@ -24,7 +27,13 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstack.serve.errors import ApiError, validation_message
-from kvstack.serve.sglang.fields import MAX_N, Unsupported, check_default_only
+from kvstack.serve.sglang.fields import (
+    FRONT_SAMPLING,
+    MAX_N,
+    Unsupported,
+    check_default_only,
+    sampling_names,
+)
 from kvstack.serve.sglang.protocol import (
     MAX_TOP_LOGPROBS,
     GenerateOne,
@@ -95,6 +104,9 @@ CHAT_DEFAULTS: dict[str, Any] = {
     "use_audio_in_video": False,
     "video_config": None,
 }
+# OpenAI's names of SGLang's sampling parameters where they differ (max_tokens: each
+# endpoint's own rule, the caller's max_new_tokens).
+RENAMED = {"min_tokens": "min_new_tokens"}
 # Accepted whatever their value: they change nothing kvstack does.
 _IGNORED = ("user", "parallel_tool_calls", "separate_reasoning", "stream_reasoning")
 
@@ -163,41 +175,27 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         data = {k: v for k, v in data.items() if k not in _IGNORED}
-        return check_default_only(data, cls.sglang_defaults)
+        # a field the body declares is its own, whatever SGLang's list says
+        defaults = {k: v for k, v in cls.sglang_defaults.items() if k not in cls.model_fields}
+        return check_default_only(data, defaults)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """SGLang's ``sampling_params`` for this request (as SGLang's server maps them)."""
+        """SGLang's ``sampling_params`` for this request (as SGLang's server maps them):
+        each field that is a sampling parameter, under SGLang's name (:data:`RENAMED`)
+        or its own; unset ones (null) left to their defaults."""
+        names = sampling_names() - set(FRONT_SAMPLING)  # n: the front's own
         out: dict[str, Any] = {}
+        for field in type(self).model_fields:
+            name = RENAMED.get(field, field)
+            value = getattr(self, field)
+            if name in names and value is not None:
+                out[name] = value
         if max_new_tokens is not None:
             out["max_new_tokens"] = max_new_tokens
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-            "stop",
-            "stop_token_ids",
-        ):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        if self.seed is not None:
-            out["sampling_seed"] = self.seed
-        if self.min_tokens:
-            out["min_new_tokens"] = self.min_tokens
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        if self.no_stop_trim:
-            out["no_stop_trim"] = True
-        if not self.skip_special_tokens:
-            out["skip_special_tokens"] = False
         return out
 
 

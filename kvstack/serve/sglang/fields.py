@@ -194,6 +194,11 @@ def honoured_sampling() -> set[str]:
     return set(GenSampling.model_fields)
 
 
+def sampling_names() -> set[str]:
+    """Every name a sampling parameter goes by: those the scheduler honours and SGLang's."""
+    return honoured_sampling() | set(SAMPLING_DEFAULTS)
+
+
 def check_default_only(
     data: Mapping[str, Any], defaults: Mapping[str, Any], where: str = ""
 ) -> dict[str, Any]:
