@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from memsvc.core.errors import InvalidArgumentError
@@ -19,15 +19,71 @@ class WritePolicy(StrEnum):
 
 @dataclass(frozen=True)
 class HiCacheConfig:
-    """``--hicache-*``: sizes in bytes (the flags take GB)."""
+    """``--hicache-*``: sizes in bytes (the flags take GB).
 
-    ratio: float = 2.0  # SGLang's default in cache mode
-    size_bytes: int = 0  # > 0 overrides ratio
-    write_policy: WritePolicy = WritePolicy.WRITE_THROUGH  # SGLang's default
-    storage_backend: StorageBackendName | None = None
-    storage_dir: str | None = None  # the base of our own subdirectory; None: per user
-    storage_size_bytes: int = 0  # 0: 4 x the host tier
-    storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode
+    The fields' metadata declare the flags (:mod:`memsvc.settings`); memsvc's
+    ``--enable-hierarchical-cache`` decides whether there is a config at all.
+    """
+
+    ratio: float = field(
+        default=2.0,  # SGLang's default in cache mode
+        metadata={
+            "flag": "--hicache-ratio",
+            "help": "host tier size as a multiple of the device KV pool",
+            "forward": True,
+        },
+    )
+    size_bytes: int = field(  # > 0 overrides ratio
+        default=0,
+        metadata={
+            "flag": "--hicache-size",
+            "help": "host tier size in GB (1e9 bytes); > 0 overrides --hicache-ratio",
+            "type": float,
+            "scale": 1e9,
+            "forward": True,
+        },
+    )
+    write_policy: WritePolicy = field(
+        default=WritePolicy.WRITE_THROUGH,  # SGLang's default
+        metadata={
+            "flag": "--hicache-write-policy",
+            "help": "write_through: copy a node to host when it is inserted; "
+            "write_through_selective: once it has been hit; write_back: when it is evicted",
+            "forward": True,
+        },
+    )
+    storage_backend: StorageBackendName | None = field(
+        default=None,
+        metadata={
+            "flag": "--hicache-storage-backend",
+            "help": "third tier, fed by host-tier eviction: file (a local directory) or nixl "
+            "(NIXL's POSIX storage plugin on the same directory); unset: host eviction drops KV",
+            "forward": True,
+        },
+    )
+    storage_dir: str | None = field(  # the base of our own subdirectory; None: per user
+        default=None,
+        metadata={
+            "flag": "--hicache-storage-dir",
+            "metavar": "PATH",
+            "help": "base directory of the storage tier (default: $XDG_CACHE_HOME/kvstack/"
+            "hicache, else ~/.cache/kvstack/hicache); it must be yours and not writable by "
+            "others. Each memsvc keeps its pages (0600, checksummed) in a 0700 subdirectory of "
+            "its own, <role>-<pid>-<random>, removed when it stops",
+            "forward": True,
+        },
+    )
+    storage_size_bytes: int = field(  # 0: 4 x the host tier
+        default=0,
+        metadata={
+            "flag": "--hicache-storage-size",
+            "help": "storage tier cap in GB (1e9 bytes); 0: 4 x the host tier",
+            "type": float,
+            "scale": 1e9,
+            "forward": True,
+        },
+    )
+    storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode (no flag)
 
     def __post_init__(self) -> None:
         try:

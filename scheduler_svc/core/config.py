@@ -8,26 +8,55 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
 
 from scheduler_svc.core.errors import ConfigError
 
-RetractionPolicy = Literal["length", "priority", "cost"]
-# Victim order: fewest outputs first (SGLang's default), least important first, or
-# cheapest to bring back first (by the retract cost model, under ``retract_mode``).
-RETRACTION_POLICIES: tuple[str, ...] = ("length", "priority", "cost")
-# What happens to a victim's KV: dropped and recomputed (SGLang's normal mode),
-# parked in the host store and loaded back (SGLang's PD decode), or per victim
-# whichever the cost model says is cheaper.
-RETRACT_MODES: tuple[str, ...] = ("recompute", "offload", "auto")
-# PD decode: a victim the host store cannot take is aborted (SGLang) or re-prefilled
-# through the prefill node.
-PD_RETRACT_FALLBACKS: tuple[str, ...] = ("abort", "recompute")
-# What re-admitting a retracted request reserves for its output: what it has left to
-# generate (kvstack) or its whole max_new_tokens again (SGLang). Admission checks what it
-# has left to generate either way (as SGLang does).
-READMIT_CHARGES: tuple[str, ...] = ("remaining", "full")
+
+class RetractionPolicy(StrEnum):
+    """Victim order (``--retraction-policy``); :mod:`scheduler_svc.core.policy` orders by each."""
+
+    LENGTH = "length"  # fewest outputs first (SGLang's default)
+    PRIORITY = "priority"  # least important first
+    COST = "cost"  # cheapest to bring back first, by the retract cost model under retract_mode
+
+
+class RetractMode(StrEnum):
+    """What happens to a victim's KV (``--retract-mode``)."""
+
+    RECOMPUTE = "recompute"  # dropped and recomputed (SGLang's normal mode)
+    OFFLOAD = "offload"  # parked in the host store and loaded back (SGLang's PD decode)
+    AUTO = "auto"  # per victim, whichever the cost model says is cheaper
+
+
+class PdRetractFallback(StrEnum):
+    """PD decode: what becomes of a victim the host store cannot take."""
+
+    ABORT = "abort"  # SGLang's
+    RECOMPUTE = "recompute"  # re-prefilled through the prefill node
+
+
+class ReadmitCharge(StrEnum):
+    """What re-admitting a retracted request reserves for its output. Admission checks what
+    it has left to generate either way (as SGLang does)."""
+
+    REMAINING = "remaining"  # what it has left to generate (kvstack)
+    FULL = "full"  # its whole max_new_tokens again (SGLang)
+
+
+RETRACTION_POLICIES: tuple[str, ...] = tuple(m.value for m in RetractionPolicy)
+RETRACT_MODES: tuple[str, ...] = tuple(m.value for m in RetractMode)
+PD_RETRACT_FALLBACKS: tuple[str, ...] = tuple(m.value for m in PdRetractFallback)
+READMIT_CHARGES: tuple[str, ...] = tuple(m.value for m in ReadmitCharge)
+# Field name -> its enum: a config built with a plain string holds the member.
+ENUM_FIELDS = {
+    "retraction_policy": RetractionPolicy,
+    "retract_mode": RetractMode,
+    "pd_retract_fallback": PdRetractFallback,
+    "readmit_charge": ReadmitCharge,
+}
 
 
 def _parse_bool(value: str) -> bool:
@@ -62,21 +91,91 @@ class SchedulerConfig:
 
     page_size: int
     max_running_requests: int
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = None
-    schedule_conservativeness: float = 1.0
-    retraction_policy: RetractionPolicy = "length"
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
+    # The fields with a "help" are scheduler_svc's flags (memsvc.settings reads them).
+    max_prefill_tokens: int = field(
+        default=16384,
+        metadata={"help": "most tokens one prefill batch computes", "forward": True},
+    )
+    chunked_prefill_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "split long prompts into chunks of this many tokens (default: off)",
+            "forward": True,
+        },
+    )
+    schedule_conservativeness: float = field(
+        default=1.0,
+        metadata={
+            "help": "scales the initial new_token_ratio (higher: admit fewer)",
+            "forward": True,
+        },
+    )
+    retraction_policy: RetractionPolicy = field(
+        default=RetractionPolicy.LENGTH,
+        metadata={
+            "help": "victim order: fewest outputs first (length, SGLang's), lowest priority "
+            "(priority), or cheapest to bring back first by the retract cost model under "
+            "--retract-mode (cost: re-prefill seconds, or KV copy seconds when offloading)",
+            "forward": True,
+        },
+    )
+    enable_priority_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "honour request priorities (needed by --retraction-policy priority)",
+            "forward": True,
+        },
+    )
+    schedule_low_priority_values_first: bool = field(
+        default=False,
+        metadata={"help": "a lower priority value is more important", "forward": True},
+    )
     speculative: bool = False
-    retract_mode: str = "recompute"
+    retract_mode: RetractMode = field(
+        default=RetractMode.RECOMPUTE,
+        metadata={
+            "help": "what a retracted request's KV becomes (normal mode): dropped and "
+            "re-prefilled (SGLang), parked in memsvc's host store and loaded back, or per "
+            "victim the cheaper of the two by a cost model learned online. A decode node "
+            "always offloads",
+            "forward": True,
+        },
+    )
     # PD decode node: tokens reserved per active request at preallocation (SGLang's 512).
-    num_reserved_decode_tokens: int = 512
-    pd_retract_fallback: str = "abort"
+    num_reserved_decode_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "decode node: tokens reserved per active request when preallocating",
+            "forward": True,
+        },
+    )
+    pd_retract_fallback: PdRetractFallback = field(
+        default=PdRetractFallback.ABORT,
+        metadata={
+            "help": "decode node: a victim the host store cannot take is aborted (SGLang) or "
+            "re-prefilled through the prefill node",
+            "forward": True,
+        },
+    )
     # Thrash guard: a request re-admitted after a retract is not a victim again for this
     # many forward passes unless nothing else can be (0: off, as in SGLang).
-    retract_cooldown_steps: int = 0
-    readmit_charge: str = "remaining"
+    retract_cooldown_steps: int = field(
+        default=0,
+        metadata={
+            "help": "thrash guard: a request re-admitted after a retract is not a victim again "
+            "for this many forward passes unless nothing else can be (0: off, as in SGLang)",
+            "forward": True,
+        },
+    )
+    readmit_charge: ReadmitCharge = field(
+        default=ReadmitCharge.REMAINING,
+        metadata={
+            "help": "what re-admitting a retracted request reserves for its output: what it has "
+            "left to generate, or its whole max_new_tokens again (SGLang); either way it is "
+            "admitted if what it has left fits",
+            "forward": True,
+        },
+    )
     # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
@@ -87,6 +186,10 @@ class SchedulerConfig:
     test_retract_interval: int = 3
 
     def __post_init__(self) -> None:
+        for name, kind in ENUM_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) and value in tuple(kind):
+                object.__setattr__(self, name, kind(value))
         problems = self._problems()
         if problems:
             raise ConfigError("invalid scheduler config: " + "; ".join(problems))

@@ -7,7 +7,7 @@ re-exported here.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 
 from scheduler_svc.core.admission import (
@@ -18,7 +18,7 @@ from scheduler_svc.core.admission import (
     floor_page,
     running_reservation,
 )
-from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.config import RetractionPolicy, SchedulerConfig
 from scheduler_svc.core.errors import RequestTooLargeError
 from scheduler_svc.core.request import Req
 from scheduler_svc.core.retract_cost import RetractCostModel
@@ -98,19 +98,32 @@ def _length_key(req: Req) -> tuple[int, int]:
 def _policy_order(
     reqs: Sequence[Req], config: SchedulerConfig, cost: RetractCostModel | None
 ) -> list[int]:
-    indices = range(len(reqs))
     if config.speculative:
-        return list(indices)
-    if config.retraction_policy == "length":
-        return sorted(indices, key=lambda i: _length_key(reqs[i]), reverse=True)
-    if config.retraction_policy == "cost":
-        model = cost or RetractCostModel(bytes_per_token=1, page_size=config.page_size)
-        mode = config.retract_mode
-        return sorted(
-            indices,
-            key=lambda i: (model.readmit_s(reqs[i], mode), *_length_key(reqs[i])),
-            reverse=True,
-        )
+        return list(range(len(reqs)))
+    return _ORDERS[config.retraction_policy](reqs, config, cost)
+
+
+def _by_length(
+    reqs: Sequence[Req], config: SchedulerConfig, cost: RetractCostModel | None
+) -> list[int]:
+    return sorted(range(len(reqs)), key=lambda i: _length_key(reqs[i]), reverse=True)
+
+
+def _by_cost(
+    reqs: Sequence[Req], config: SchedulerConfig, cost: RetractCostModel | None
+) -> list[int]:
+    model = cost or RetractCostModel(bytes_per_token=1, page_size=config.page_size)
+    mode = config.retract_mode
+    return sorted(
+        range(len(reqs)),
+        key=lambda i: (model.readmit_s(reqs[i], mode), *_length_key(reqs[i])),
+        reverse=True,
+    )
+
+
+def _by_priority(
+    reqs: Sequence[Req], config: SchedulerConfig, cost: RetractCostModel | None
+) -> list[int]:
     # Importance grows with the key; None sorts below every real priority.
     sign = 1 if config.schedule_low_priority_values_first else -1
     none_priority = sys.maxsize if config.schedule_low_priority_values_first else -sys.maxsize - 1
@@ -120,7 +133,20 @@ def _policy_order(
         priority = none_priority if req.priority is None else req.priority
         return (priority * -sign, *_length_key(req))
 
-    return sorted(indices, key=key, reverse=True)
+    return sorted(range(len(reqs)), key=key, reverse=True)
+
+
+# One victim order per policy; a policy without one fails at import, not at a retract.
+_ORDERS: dict[
+    RetractionPolicy,
+    Callable[[Sequence[Req], SchedulerConfig, RetractCostModel | None], list[int]],
+] = {
+    RetractionPolicy.LENGTH: _by_length,
+    RetractionPolicy.PRIORITY: _by_priority,
+    RetractionPolicy.COST: _by_cost,
+}
+if set(_ORDERS) != set(RetractionPolicy):
+    raise TypeError(f"no victim order for {sorted(set(RetractionPolicy) - set(_ORDERS))}")
 
 
 def max_new_tokens_for_memory(input_len: int, capacity: int, page_size: int) -> int:

@@ -46,6 +46,7 @@ import itertools
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import zmq
@@ -62,6 +63,7 @@ from memsvc.server import (
     remove_endpoint,
     serve_tasks,
 )
+from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args
 from scheduler_svc import protocol as p
 from scheduler_svc.engine import _seed_from_rid
 from scheduler_svc.pd.flight import (
@@ -474,6 +476,29 @@ class Router:
         await self.send_prefill(flight, request, flight.arrays, commit_mark=flight.seen)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """The router's settings; its flags are declared here (:mod:`memsvc.settings`)."""
+
+    prefill: str = field(metadata={"help": "the prefill scheduler's address"})
+    decode: str = field(metadata={"help": "the decode scheduler's address"})
+    prefill_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds of silence from the prefill scheduler before its requests fail",
+            "forward": True,
+        },
+    )
+    stall_timeout: float = field(
+        default=STALL_TIMEOUT_S,
+        metadata={
+            "help": "seconds in which no node with queued work makes progress before the "
+            "router's info (and so `kvstack status` and GET /health) calls the stack wedged",
+            "forward": True,
+        },
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m scheduler_svc.pd.router",
@@ -481,21 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and a decode scheduler (scheduler_svc --mode prefill / --mode decode).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--prefill", required=True, help="the prefill scheduler's address")
-    parser.add_argument("--decode", required=True, help="the decode scheduler's address")
-    parser.add_argument(
-        "--prefill-timeout",
-        type=float,
-        default=10.0,
-        help="seconds of silence from the prefill scheduler before its requests fail",
-    )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=STALL_TIMEOUT_S,
-        help="seconds in which no node with queued work makes progress before the router's "
-        "info (and so `kvstack status` and GET /health) calls the stack wedged",
-    )
+    add_config_argument(parser)
+    add_arguments(parser, RouterConfig)
     add_service_args(parser, ready_fields="address, pid")
     add_curve_arguments(parser, connects_to="the two schedulers (--prefill, --decode)")
     return parser
@@ -503,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # when started by a launcher: SIGTERM once it is gone
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     setup_logging(args)
     listen = args.listen or default_listen_address("router")
     try:
@@ -512,12 +524,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
+    config = from_args(RouterConfig, args)
     router = Router(
         listen,
-        args.prefill,
-        args.decode,
-        prefill_timeout_s=args.prefill_timeout,
-        stall_timeout_s=args.stall_timeout,
+        config.prefill,
+        config.decode,
+        prefill_timeout_s=config.prefill_timeout,
+        stall_timeout_s=config.stall_timeout,
         curve=curve,
     )
     asyncio.run(router.run(args.ready_file))

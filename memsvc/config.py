@@ -1,0 +1,204 @@
+"""``MemsvcConfig``: every setting of ``python -m memsvc``, each declared once with its flag.
+
+Parts: the pool's layout (:class:`PoolLayout`), the hierarchical cache
+(:class:`HiCacheConfig`, None unless ``--enable-hierarchical-cache``) and the
+service's limits (:class:`ServiceConfig`); the rest are memsvc's own options.
+``build_parser`` in :mod:`memsvc.__main__` and the ``kvstack`` commands
+(the flags marked ``forward``) are built from it (:mod:`memsvc.settings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE
+from memsvc.core.backends import BACKENDS
+from memsvc.core.hicache_config import HiCacheConfig
+from memsvc.core.layout import PoolLayout
+from memsvc.handlers import ServiceConfig
+from memsvc.sessions import REPLY_CACHE_SIZE
+from memsvc.transfer_backend import TransferBackend
+
+POOL = "pool layout (the model's; kvstack serve / up read it from the checkpoint)"
+MEMORY = "memory"
+HICACHE = "hierarchical cache (radix tree over device pool, host memory and storage)"
+PD = "PD disaggregation (KV transfer between two memsvc)"
+SERVICE = "service"
+
+# PoolLayout is the core's; its flags (and memsvc's defaults for them) are declared here.
+LAYOUT_FLAGS = {
+    "num_layers": {"help": "transformer layers (num_hidden_layers)"},
+    "num_kv_heads": {"help": "KV heads per layer (num_key_value_heads)"},
+    "head_dim": {"help": "dimension of one head"},
+    "page_size": {"help": "tokens per page", "default": DEFAULT_PAGE_SIZE},
+    "num_pages": {
+        "help": "usable pages (capacity = num_pages x page_size tokens)",
+        "default": DEFAULT_NUM_PAGES,
+    },
+    "dtype": {
+        "help": "KV element type",
+        "choices": ("float16", "bfloat16", "float32", "float64"),
+        "default": "float32",
+    },
+    "max_running_requests": {
+        "help": "req_to_token rows (requests holding KV at once)",
+        "default": 256,
+        "forward": True,
+    },
+    "max_context_len": {"help": "longest request (prompt + output) in tokens", "default": 4096},
+}
+
+SERVICE_FLAGS = {
+    "retract_decode_steps": {
+        "help": "after each retract release, evict remaining x this many tokens "
+        "(env SGLANG_RETRACT_DECODE_STEPS)",
+        "env": "SGLANG_RETRACT_DECODE_STEPS",
+        "group": MEMORY,
+        "forward": True,
+    },
+    "max_message_bytes": {
+        "help": "larger requests get a too_large error reply (read and dropped frame by frame)"
+    },
+    "max_sessions": {"help": "sessions open at once; one more hello gets too_many_sessions"},
+    "max_lease_s": {
+        "flag": "--max-lease",
+        "help": "longest session lease (seconds) a hello may ask for",
+    },
+    "reply_cache_bytes": {
+        "help": "bytes of replies each session keeps to answer a retried op (and at most "
+        f"{REPLY_CACHE_SIZE} replies); the oldest go first, the newest is always kept"
+    },
+}
+
+
+@dataclass(frozen=True)
+class MemsvcConfig:
+    layout: PoolLayout = field(metadata={"part": PoolLayout, "group": POOL, "fields": LAYOUT_FLAGS})
+    disable_radix_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "no prefix reuse: finished requests' KV is freed, not cached",
+            "group": POOL,
+            "forward": True,
+        },
+    )
+    backend: str = field(
+        default="shm",
+        metadata={
+            "help": "shm: POSIX shared memory (no GPU); cuda: cupy + CUDA IPC",
+            "choices": BACKENDS,
+            "group": MEMORY,
+        },
+    )
+    device: int = field(
+        default=0, metadata={"help": "GPU index for --backend cuda", "group": MEMORY}
+    )
+    host_store_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU RAM for offloaded KV (default: the size of the KV pool)",
+            "group": MEMORY,
+            "forward": True,
+        },
+    )
+    offload_copy: str = field(
+        default="auto",
+        metadata={
+            "help": "async: an offload returns once its copy is issued (CUDA copy stream / shm "
+            "copy thread) and the pages it reads are reused only after it has finished; sync: "
+            "it returns when the copy is done; auto (default): async on cuda, sync on shm",
+            "choices": ("auto", "sync", "async"),
+            "group": MEMORY,
+            "forward": True,
+        },
+    )
+    hicache: HiCacheConfig | None = field(
+        default=None,
+        metadata={
+            "part": HiCacheConfig,
+            "switch": "--enable-hierarchical-cache",
+            "help": "keep evicted radix-tree KV in a host-memory tier (and a storage tier) and "
+            "load it back on a prefix match instead of recomputing it",
+            "group": HICACHE,
+            "forward": True,
+        },
+    )
+    pd_role: str = field(
+        default="none",
+        metadata={
+            "help": "prefill: send prompt KV to the decode node's memsvc (--transfer-peer); "
+            "decode: receive it (--transfer-listen)",
+            "choices": ("none", "prefill", "decode"),
+            "group": PD,
+        },
+    )
+    transfer_backend: TransferBackend = field(
+        default=TransferBackend.AUTO,
+        metadata={
+            "help": "nixl: NIXL/UCX writes straight into the peer's pool (UCX on the loopback "
+            "device only, unless --allow-remote); zmq: raw bytes frames; "
+            "auto: nixl if the nixl-cu12 wheel is installed, else zmq",
+            "group": PD,
+            "forward": True,
+        },
+    )
+    transfer_listen: str | None = field(
+        default=None,
+        metadata={
+            "help": "decode role: where prefill-node memsvc connect (tcp://HOST:PORT or "
+            "ipc://PATH)",
+            "group": PD,
+        },
+    )
+    transfer_peer: str | None = field(
+        default=None,
+        metadata={
+            "help": "prefill role: the decode-node memsvc's --transfer-listen address",
+            "group": PD,
+        },
+    )
+    transfer_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds without a word from the peer memsvc before its transfers fail",
+            "group": PD,
+            "forward": True,
+        },
+    )
+    service: ServiceConfig = field(
+        default_factory=ServiceConfig,
+        metadata={"part": ServiceConfig, "group": SERVICE, "fields": SERVICE_FLAGS},
+    )
+    reap_interval: float = field(
+        default=0.25,
+        metadata={"help": "seconds between checks for expired session leases", "group": SERVICE},
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "serve Prometheus metrics on --metrics-host:PORT (0: any free port)",
+            "group": SERVICE,
+        },
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "address the metrics server binds (non-loopback needs --allow-remote)",
+            "group": SERVICE,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        # The storage tier's subdirectory is named after the PD role.
+        role = "normal" if self.pd_role == "none" else self.pd_role
+        if self.hicache is not None and self.hicache.storage_role != role:
+            hicache = dataclasses.replace(self.hicache, storage_role=role)
+            object.__setattr__(self, "hicache", hicache)
+
+    @property
+    def async_offload(self) -> bool:
+        """``--offload-copy``: async, or auto on cuda."""
+        return self.offload_copy == "async" or (
+            self.offload_copy == "auto" and self.backend == "cuda"
+        )

@@ -1,0 +1,128 @@
+"""``SchedulerServiceConfig``: every setting of ``python -m scheduler_svc``, declared once.
+
+The admission and retract knobs are :class:`SchedulerConfig`'s (the pure
+core's, which declares their flags on its fields); the rest are the process's
+own: its peers, fault tolerance, metrics. The core config needs memsvc's page
+size and row count, known once connected, so this one keeps the knobs' values
+(``scheduling``) and :meth:`SchedulerServiceConfig.scheduler_config` builds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler_svc.core.config import RetractMode, SchedulerConfig
+from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
+
+FAULTS = "fault tolerance"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerServiceConfig:
+    mode: str = field(
+        default="normal",
+        metadata={
+            "help": "normal: one node; prefill / decode: one side of a PD pair behind "
+            "`python -m scheduler_svc.pd.router` (memsvc needs the matching --pd-role)",
+            "choices": ("normal", "prefill", "decode"),
+        },
+    )
+    memsvc: str = field(metadata={"help": "memsvc address"})
+    worker: str = field(metadata={"help": "model_svc address"})
+    page_size: int | None = field(
+        default=None,
+        metadata={"help": "expected page size; refuse to start if memsvc's differs"},
+    )
+    max_running_requests: int | None = field(
+        default=None,
+        metadata={"help": "most requests decoding at once (default: memsvc's row count)"},
+    )
+    scheduling: Mapping[str, Any] = field(
+        default_factory=dict, metadata={"part": SchedulerConfig, "partial": True}
+    )
+    checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "checkpoint folder whose tokenizer.json to use for text input (default: "
+            "the byte-level tokenizer); info names it, so that a front decodes alike"
+        },
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model_name label of the sglang:* metrics (default: --checkpoint, or "
+            "'default' without one)"
+        },
+    )
+    result_cache_bytes: int = field(
+        default=RESULT_CACHE_BYTES,
+        metadata={
+            "help": "bytes of finished results (as msgpack) kept to answer a re-submitted rid, "
+            f"and at most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is "
+            "always kept"
+        },
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "serve Prometheus metrics on --metrics-host:PORT (0: any free port)"},
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address the metrics server binds (non-loopback needs --allow-remote)"},
+    )
+    memsvc_timeout: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds memsvc has to answer one op (tried 3 times) before it counts as dead",
+            "group": FAULTS,
+            "forward": True,
+        },
+    )
+    memsvc_lease: float = field(
+        default=10.0,
+        metadata={
+            "help": "memsvc session lease: memsvc reclaims our KV this long after we go silent",
+            "group": FAULTS,
+            "forward": True,
+        },
+    )
+    worker_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds model_svc has to answer one forward call (tried twice) before it "
+            "counts as dead (a worker that exits is noticed at once)",
+            "group": FAULTS,
+            "forward": True,
+        },
+    )
+    recovery_timeout: float = field(
+        default=120.0,
+        metadata={
+            "help": "how long to wait for a dead memsvc or model_svc to come back before "
+            "failing the live requests",
+            "group": FAULTS,
+            "forward": True,
+        },
+    )
+    memsvc_session_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "keep our memsvc session id here; a restarted scheduler ends the session "
+            "its dead predecessor left, so memsvc reclaims that KV at once",
+            "group": FAULTS,
+        },
+    )
+
+    def scheduler_config(self, page_size: int, memsvc_rows: int) -> SchedulerConfig:
+        """The core's config for memsvc's pool: ``SGLANG_*`` from the environment, then the
+        flags. A decode node always offloads (its victims' KV has nowhere else to go)."""
+        knobs = dict(self.scheduling)
+        if self.mode == "decode":
+            knobs["retract_mode"] = RetractMode.OFFLOAD
+        return SchedulerConfig.from_env(
+            page_size=page_size,
+            max_running_requests=self.max_running_requests or memsvc_rows,
+            **knobs,
+        )
