@@ -1,11 +1,13 @@
-"""Every command the README shows must be one the code accepts.
+"""Every command the README and the pages of docs/ show must be one the code accepts.
 
 Each shell line in a fenced block is checked against the real entry point:
 the service's own argparse parser parses it (so a renamed or removed flag, or
 a bad value, fails here), a ``make`` target must exist in the Makefile, a
 script or test path must exist, a compose profile must be defined. Python
-blocks must compile. A command of a kind this test does not know fails it, so
-a new kind of command gets a check too.
+blocks must compile. A YAML block is a ``--config`` file of ``kvstack serve``:
+each key must be one of its flags, and the values must parse as on the command
+line. A command of a kind this test does not know fails it, so a new kind of
+command gets a check too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+# The README, then the reference pages (the docs site, tests/test_docs.py).
+DOCUMENTS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
 README = (REPO / "README.md").read_text()
 
 # program -> module whose build_parser() parses its arguments
@@ -30,16 +34,20 @@ PARSERS = {
 }
 
 
-def blocks() -> list[str]:
-    """Fenced blocks, except ```text ones (diagrams)."""
+def page(name: str) -> str:
+    return (REPO / name).read_text()
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """Fenced blocks as (info string, body), except ```text ones (diagrams)."""
     found, current, kind = [], None, ""
-    for line in README.splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         if line.startswith("```"):
             if current is None:
                 current, kind = [], line[3:].strip()
             else:
                 if kind != "text":
-                    found.append("".join(current))
+                    found.append((kind, "".join(current)))
                 current = None
         elif current is not None:
             current.append(line)
@@ -50,16 +58,29 @@ def is_python(block: str) -> bool:
     return block.lstrip().startswith(("from ", "import ", "with "))
 
 
-def shell_commands() -> list[str]:
+def is_yaml(kind: str) -> bool:
+    return kind == "yaml"
+
+
+def shell_commands(text: str) -> list[str]:
     commands = []
-    for block in blocks():
-        if is_python(block):
+    for kind, block in blocks(text):
+        if is_python(block) or is_yaml(kind):
             continue
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s#\s.*$", "", line).strip().rstrip("&").strip()
             if line and not line.startswith("#"):
                 commands.append(line)
     return commands
+
+
+def documented(pick) -> list:
+    """``pick(text)``'s items of every document, each with the document's name."""
+    return [
+        pytest.param(name, item, id=f"{name}: {str(item)[:60]}")
+        for name in DOCUMENTS
+        for item in pick(page(name))
+    ]
 
 
 def parse(module: str, args: list[str]) -> None:
@@ -104,17 +125,47 @@ def check(words: list[str]) -> None:
     elif program == "curl":
         assert re.search(r"localhost:\d+/", " ".join(args))
     else:
-        raise AssertionError(f"the README shows a command this test cannot check: {words}")
+        raise AssertionError(f"the docs show a command this test cannot check: {words}")
 
 
-@pytest.mark.parametrize("command", shell_commands())
-def test_readme_command_is_accepted(command: str) -> None:
+def check_config(block: str) -> None:
+    """A ``--config`` YAML of ``kvstack serve``: keys are its flags without ``--``."""
+    from kvstack.cli import build_parser
+
+    serve = build_parser(["serve"]).subcommands["serve"]
+    flags = {flag for action in serve._actions for flag in action.option_strings}
+    config = yaml.safe_load(block)
+    assert isinstance(config, dict) and config, "a config file is a mapping of flags"
+    argv = []
+    for key, value in config.items():
+        assert f"--{key}" in flags, f"kvstack serve has no flag --{key}"
+        argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    serve.parse_args(argv)
+
+
+@pytest.mark.parametrize(("document", "command"), documented(shell_commands))
+def test_documented_command_is_accepted(document: str, command: str) -> None:
     check(shlex.split(command))
 
 
-@pytest.mark.parametrize("block", [b for b in blocks() if is_python(b)])
-def test_readme_python_compiles(block: str) -> None:
-    compile(block, "README.md", "exec")
+@pytest.mark.parametrize(
+    ("document", "block"), documented(lambda t: [b for _, b in blocks(t) if is_python(b)])
+)
+def test_documented_python_compiles(document: str, block: str) -> None:
+    compile(block, document, "exec")
+
+
+@pytest.mark.parametrize(
+    ("document", "block"), documented(lambda t: [b for k, b in blocks(t) if is_yaml(k)])
+)
+def test_documented_config_file_names_real_flags(document: str, block: str) -> None:
+    check_config(block)
+
+
+def test_the_docs_pages_are_covered() -> None:
+    """The reference moved to docs/: its pages are checked, not only the README."""
+    assert "docs/tuning.md" in DOCUMENTS and len(DOCUMENTS) > 10
+    assert any(name.startswith("docs/") for name in DOCUMENTS[1:])
 
 
 def test_a_bad_flag_would_be_caught() -> None:
@@ -122,11 +173,16 @@ def test_a_bad_flag_would_be_caught() -> None:
         check(["memsvc", "--no-such-flag"])
     with pytest.raises(AssertionError):
         check(["make", "no-such-target"])
+    with pytest.raises(AssertionError):
+        check_config("no-such-flag: 1\n")
+    with pytest.raises(SystemExit):
+        check_config("retract-mode: no-such-mode\n")
 
 
-def test_the_readme_names_the_compose_version_the_compose_files_need() -> None:
+def test_the_docs_name_the_compose_version_the_compose_files_need() -> None:
     """docker-compose 1.x refuses docker/compose.yaml (its top-level ``name``, ``restart``
-    under ``depends_on``, which Docker Compose 2.17.0 introduced): the README must say so."""
+    under ``depends_on``, which Docker Compose 2.17.0 introduced): the Docker page must
+    say so."""
     compose = yaml.safe_load((REPO / "docker/compose.yaml").read_text())
     depends = [
         condition
@@ -134,11 +190,13 @@ def test_the_readme_names_the_compose_version_the_compose_files_need() -> None:
         for condition in (service.get("depends_on") or {}).values()
     ]
     assert "name" in compose and any("restart" in condition for condition in depends)
-    assert re.search(r"Docker Compose v?2\.17\.0 or later", README), "no minimum Compose version"
+    docker = page("docs/docker.md")
+    assert re.search(r"Docker Compose v?2\.17\.0 or later", docker), "no minimum Compose version"
 
 
-def test_the_readme_does_not_call_the_openai_endpoints_missing() -> None:
-    """They are served (and documented in "HTTP API")."""
-    assert "/v1/chat/completions" in README
-    stale = re.search(r"OpenAI-compatible endpoints[^.]*\bnot\s+there\s+yet", README)
-    assert stale is None, stale.group(0)
+def test_the_docs_do_not_call_the_openai_endpoints_missing() -> None:
+    """They are served (and documented in the HTTP API page, and named by the README)."""
+    for text in (page("docs/http-api.md"), README):
+        assert "/v1/chat/completions" in text
+        stale = re.search(r"OpenAI-compatible endpoints[^.]*\bnot\s+there\s+yet", text)
+        assert stale is None, stale.group(0)

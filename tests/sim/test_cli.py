@@ -1,4 +1,4 @@
-"""``kvstack sim`` end to end: the README's command, traces, cost files, bad input."""
+"""``kvstack sim`` end to end: the command of docs/sim.md, traces, cost files, bad input."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 
 from kvstack.cli import main
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+POLICY_LAB = Path(__file__).resolve().parents[2] / "docs" / "sim.md"
 
 
 def readme_command() -> list[str]:
-    """The ``kvstack sim`` example of the README's policy-lab section, as argv."""
-    text = README.read_text()
-    section = text[text.index("## Policy lab (kvstack sim)") :]
+    """The ``kvstack sim`` example of the policy-lab page, as argv."""
+    text = POLICY_LAB.read_text()
+    section = text[text.index("# Policy lab (kvstack sim)") :]
     line = next(ln for ln in section.splitlines() if ln.startswith("kvstack sim "))
     return shlex.split(line)[1:]
 
