@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo selfcheck test lint bench clean
+.PHONY: demo selfcheck test lint bench docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/offload_bw.py
+
+# The reference pages of docs/ as a site (mkdocs-material), into build/site (git-ignored).
+# --strict: a broken link or anchor fails, as in tests/test_docs.py.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
