@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvstack.serve.errors import ApiError, validation_message
+from kvstack.serve.errors import ApiError
 from kvstack.serve.sglang.fields import (
     FRONT_SAMPLING,
     MAX_N,
@@ -249,19 +249,6 @@ class ChatIn(_Request):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
-
-
-def parse_openai(model: type[_Request], data: Any) -> Any:
-    """A validated request; :class:`ApiError` 400 naming the field otherwise."""
-    try:
-        return model.model_validate(data)
-    except Unsupported as exc:
-        raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-        message = validation_message(exc)
-        raise ApiError(400, "invalid_request", message, param=param or None) from None
 
 
 def generate_ones(

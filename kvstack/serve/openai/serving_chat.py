@@ -20,6 +20,7 @@ from kvstack.serve.errors import ApiError
 from kvstack.serve.openai import protocol as oai
 from kvstack.serve.openai.serving import TokenText, respond
 from kvstack.serve.request_path import RequestPath
+from kvstack.serve.sglang.protocol import validate_body
 from scheduler_svc.protocol import MAX_PROMPT_TOKENS
 
 
@@ -45,7 +46,7 @@ class OpenAIServingChat:
 
     def prompt(self, data: Any) -> tuple[oai.ChatIn, list[int]]:
         """The body and its messages rendered and tokenized."""
-        body: oai.ChatIn = oai.parse_openai(oai.ChatIn, data)
+        body: oai.ChatIn = validate_body(oai.ChatIn, data)
         check_batch(1, body.n, self.path.limits.max_batch_requests, "n")
         from model_svc.chat_template import ChatTemplateError
 

@@ -19,7 +19,7 @@ from kvstack.serve.errors import ApiError
 from kvstack.serve.openai import protocol as oai
 from kvstack.serve.openai.serving import TokenText, respond
 from kvstack.serve.request_path import RequestPath
-from kvstack.serve.sglang.protocol import GenerateOne
+from kvstack.serve.sglang.protocol import GenerateOne, validate_body
 
 
 class OpenAIServingCompletion:
@@ -41,7 +41,7 @@ class OpenAIServingCompletion:
         """The body, its scheduler requests, and with ``echo`` each choice's prompt."""
         if isinstance(data, dict):  # a prompt list past the cap: refused before its items
             check_batch(oai.num_prompts(data.get("prompt")), 1, max_requests, "prompt")
-        body: oai.CompletionIn = oai.parse_openai(oai.CompletionIn, data)
+        body: oai.CompletionIn = validate_body(oai.CompletionIn, data)
         try:
             prompts = body.prompts()
         except ValueError as exc:  # SGLang names no param for an empty prompt

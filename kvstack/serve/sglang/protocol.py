@@ -255,10 +255,14 @@ class AbortIn(BaseModel):
 
 
 def validate_body(model: type[BaseModel], data: Any) -> Any:
-    """``data`` as ``model``; :class:`ApiError` 400 naming what is wrong otherwise."""
+    """``data`` as ``model``; :class:`ApiError` 400 naming what is wrong otherwise (its
+    ``param``, OpenAI's, the first field named)."""
     try:
         return model.model_validate(data)
     except Unsupported as exc:
         raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
     except ValidationError as exc:
-        raise ApiError(400, "invalid_request", validation_message(exc)) from None
+        errors = exc.errors(include_url=False)
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+        message = validation_message(exc)
+        raise ApiError(400, "invalid_request", message, param=param or None) from None
