@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,27 +37,17 @@ FLUSHED = (
 )  # SGLang's answer
 
 
+@dataclass
 class SGLangAdmin:
     """SGLang's admin endpoints over the shared request path."""
 
-    def __init__(
-        self,
-        path: RequestPath,
-        scraper: Scraper,
-        *,
-        mode: str,
-        checkpoint: Path | None,
-        model_path: str,
-        served_model_name: str,
-        incremental_streaming: bool,
-    ) -> None:
-        self.path = path
-        self.scraper = scraper
-        self.mode = mode
-        self.checkpoint = checkpoint
-        self.model_path = model_path
-        self.served_model_name = served_model_name
-        self.incremental_streaming = incremental_streaming
+    path: RequestPath
+    scraper: Scraper
+    mode: str  # --mode: normal or pd
+    checkpoint: Path | None
+    model_path: str
+    served_model_name: str
+    incremental_streaming: bool
 
     async def health(self, request: web.Request) -> web.Response:
         await self.path.info()
