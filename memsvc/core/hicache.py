@@ -59,31 +59,42 @@ tier lives in a subdirectory of this memsvc's own, made fresh when the cache is
 created and removed when it is closed (:mod:`memsvc.core.storage.tierdir`): its
 index was the tree, which dies with the process, so nothing a previous memsvc
 (or another stack on the same directory) left is ever read.
+
+Modules: this one is :class:`HiRadixCache`, the policy (match and load back,
+the write policies, device eviction); :mod:`memsvc.core.hicache_tree` the
+mechanism it builds on (where each node's KV lives, each lower tier's LRU,
+failed loads and writes, the integrity check); :mod:`memsvc.core.hicache_tiers`
+the host arena, storage keys and the copy jobs (storage reads verified there);
+:mod:`memsvc.core.hicache_config` the settings.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import logging
-import time
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE, PageAllocator
-from memsvc.core.backends.base import KVBuffers, page_runs
-from memsvc.core.errors import IntegrityError, InvalidArgumentError, StoredPageError
-from memsvc.core.fence import DONE, CopyFence, FailedFence
-from memsvc.core.hicache_config import HiCacheConfig, WritePolicy  # HiCacheConfig: re-exported
+from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE
+from memsvc.core.errors import InvalidArgumentError
+from memsvc.core.hicache_config import HiCacheConfig, WritePolicy
+from memsvc.core.hicache_tiers import HiCacheStats, HostTier, page_hash_chain
+from memsvc.core.hicache_tree import HiTreeNode, TieredTree
 from memsvc.core.prefix_cache import CacheHit
-from memsvc.core.radix_cache import MatchResult, RadixCache, TreeNode
-from memsvc.core.storage import StorageBackend, create_storage
+from memsvc.core.radix_cache import MatchResult, TreeNode
 
-log = logging.getLogger("memsvc")
+# Re-exported: the hierarchy's parts, under the name its users know.
+__all__ = [
+    "LOAD_BACK_THRESHOLD",
+    "WRITE_THROUGH_SELECTIVE_THRESHOLD",
+    "HiCacheConfig",
+    "HiCacheStats",
+    "HiRadixCache",
+    "HiTreeNode",
+    "HostTier",
+    "page_hash_chain",
+]
 
 WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang's: hits before a node is backed up
 # SGLang's HiRadixCache.load_back_threshold (hard-coded there, no flag): an off-device
@@ -92,229 +103,10 @@ LOAD_BACK_THRESHOLD = 10
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
 
-@dataclass(slots=True, eq=False)
-class HiTreeNode(TreeNode):
-    host_pages: np.ndarray | None = None  # host arena page per page of the key
-    on_disk: bool = False  # every page of the key is in the storage tier
-    hashes: list[str] | None = None  # storage keys, one per page (computed on demand)
-    hit_count: int = 0
-    load_fence: CopyFence | None = None  # the copy loading ``value`` (None: no load)
-
-
-@dataclass
-class HiCacheStats:
-    hit_tokens: dict[str, int] = field(
-        default_factory=lambda: {"device": 0, "host": 0, "storage": 0}
-    )
-    load_bytes: int = 0
-    load_tokens: int = 0
-    load_seconds: float = 0.0
-    backup_bytes: int = 0
-    backup_tokens: int = 0
-    backup_seconds: float = 0.0
-    storage_write_bytes: int = 0
-    storage_read_bytes: int = 0
-    storage_seconds: float = 0.0
-    dropped_tokens: int = 0
-    storage_load_failures: int = 0  # loads that met a page failing verification
-    storage_write_failures: int = 0  # pages of storage backups that a failed write undid
-    backups: int = 0  # copy jobs, for the duration summaries
-    loads: int = 0
-
-
-class HostTier:
-    """A host arena of whole pool pages with a free list (no entries: the tree indexes it)."""
-
-    def __init__(self, buffers: KVBuffers, num_pages: int) -> None:
-        self.num_pages = num_pages
-        self.page_bytes = buffers.layout.bytes_per_page
-        self.arena = buffers.alloc_host(num_pages)
-        self.arena.view(np.uint8).reshape(-1)[::4096] = 0  # fault every OS page in now
-        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int64)  # stack: page 0 first
-        self._num_free = num_pages
-        self.in_use = np.zeros(num_pages, dtype=bool)
-
-    @property
-    def free_pages(self) -> int:
-        return self._num_free
-
-    @property
-    def used_pages(self) -> int:
-        return self.num_pages - self._num_free
-
-    def alloc(self, n: int) -> np.ndarray | None:
-        if n > self._num_free:
-            return None
-        top = self._num_free
-        pages = self._free[top - n : top][::-1].copy()
-        self._num_free -= n
-        self.in_use[pages] = True
-        return pages
-
-    def free(self, pages: np.ndarray) -> None:
-        if not self.in_use[pages].all():
-            raise IntegrityError("host tier: freeing a host page that is not in use")
-        self.in_use[pages] = False
-        top = self._num_free
-        self._free[top : top + pages.size] = pages[::-1]
-        self._num_free += pages.size
-
-    def free_list(self) -> np.ndarray:
-        return self._free[: self._num_free].copy()
-
-
-def page_hash_chain(prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
-    """Storage keys of consecutive pages: each hashes the previous key and its page's tokens."""
-    out = []
-    for start in range(0, len(tokens), page_size):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(prev.encode())
-        digest.update(np.ascontiguousarray(tokens[start : start + page_size]).tobytes())
-        prev = digest.hexdigest()
-        out.append(prev)
-    return out
-
-
-class HiRadixCache(RadixCache):
+class HiRadixCache(TieredTree):
     """:class:`RadixCache` whose nodes may live in the host and storage tiers too."""
 
-    def __init__(
-        self,
-        allocator: PageAllocator,
-        buffers: KVBuffers,
-        config: HiCacheConfig,
-        *,
-        storage: StorageBackend | None = None,
-    ) -> None:
-        super().__init__(allocator)
-        self.buffers = buffers
-        self.config = config
-        self.write_policy = config.write_policy
-        page_bytes = buffers.layout.bytes_per_page
-        self.page_bytes = page_bytes
-        self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
-        try:
-            if storage is None and config.storage_backend is not None:
-                storage = create_storage(config, page_bytes)
-        except OSError as exc:
-            raise InvalidArgumentError(
-                f"hicache storage directory {config.storage_dir or 'default'!r} is unusable: {exc}"
-            ) from exc
-        self.storage = storage
-        self.storage_capacity_pages = (
-            config.storage_pages(self.host.num_pages, page_bytes) if storage else 0
-        )
-        self._storage_keys: set[str] = set()
-        self._failed_writes: deque[list[str]] = deque()  # appended by the copy thread
-        self.stats = HiCacheStats()
-        self._last_fence: CopyFence = DONE
-
-    def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
-        self._num_nodes_created += 1
-        return HiTreeNode(key, value, parent, self._num_nodes_created)
-
-    # -- sizes -------------------------------------------------------------------
-
-    def host_used_tokens(self) -> int:
-        return self.host.used_pages * self.page_size
-
-    def host_capacity_tokens(self) -> int:
-        return self.host.num_pages * self.page_size
-
-    def storage_used_bytes(self) -> int:
-        return len(self._storage_keys) * self.page_bytes
-
-    def storage_capacity_bytes(self) -> int:
-        return self.storage_capacity_pages * self.page_bytes
-
-    def tier_tokens(self) -> dict[str, int]:
-        """Tokens by where their KV is: on the device, host-only, storage-only."""
-        out = {"device": 0, "host_only": 0, "storage_only": 0}
-        for node in self.iter_nodes():
-            if node.value.size:
-                out["device"] += len(node.key)
-            elif node.host_pages is not None:
-                out["host_only"] += len(node.key)
-            else:
-                out["storage_only"] += len(node.key)
-        return out
-
-    # -- copies ------------------------------------------------------------------
-
-    def _submit(self, fn: Callable[..., Any], *args: Any, pool_pages: bool) -> CopyFence:
-        try:
-            fence = self.buffers.submit(fn, *args)
-        except StoredPageError as exc:  # a backend that copies at once (cuda): as if later
-            fence = FailedFence(exc)
-        self._last_fence = fence
-        if pool_pages and not fence.done():
-            # Pages freed from now on wait for it. (A copy that ran synchronously must not
-            # replace the fence of an asynchronous offload still running.)
-            self.allocator.copy_issued(fence)
-        return fence
-
-    def settle(self) -> None:
-        """Wait for every copy issued so far."""
-        self._last_fence.wait()
-
-    def _job_to_host(self, dev_pages: np.ndarray, host_pages: np.ndarray) -> None:
-        started = time.perf_counter()
-        arena = self.host.arena
-        for index, first, length in page_runs(host_pages):
-            self.buffers.gather_pages(
-                dev_pages[index : index + length], arena[first : first + length]
-            )
-        self.stats.backup_seconds += time.perf_counter() - started
-
-    def _job_from_host(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> None:
-        started = time.perf_counter()
-        arena = self.host.arena
-        for index, first, length in page_runs(host_pages):
-            self.buffers.scatter_pages(
-                arena[first : first + length], dev_pages[index : index + length]
-            )
-        self.stats.load_seconds += time.perf_counter() - started
-
-    def _job_host_to_storage(self, host_pages: np.ndarray, keys: list[str]) -> None:
-        """Write a node's pages; one that fails fails the node's storage copy (queued for
-        :meth:`reap_failed_writes`), and the pages after it are not tried."""
-        started = time.perf_counter()
-        for page, key in zip(host_pages.tolist(), keys, strict=True):
-            try:
-                self.storage.put(key, self.host.arena[page])
-            except OSError as exc:
-                self.stats.storage_write_failures += len(keys)  # the node's whole copy fails
-                log.warning("hicache storage: writing page %s failed: %s", key, exc)
-                self._failed_writes.append(keys)
-                break
-        self.stats.storage_seconds += time.perf_counter() - started
-
-    def _job_from_storage(self, keys: list[str], dev_pages: np.ndarray) -> None:
-        """Load verified pages; at the first that fails, copy the good ones before it and
-        raise :class:`StoredPageError` naming them."""
-        started = time.perf_counter()
-        staging = self.buffers.alloc_host(len(keys))
-        num_good, why = 0, None
-        for i, key in enumerate(keys):
-            why = self.storage.get(key, staging[i])
-            if why is not None:
-                break
-            num_good += 1
-        if num_good:
-            self.buffers.scatter_pages(staging[:num_good], dev_pages[:num_good])
-        self.stats.load_seconds += time.perf_counter() - started
-        if why is not None:
-            self.stats.storage_load_failures += 1
-            log.warning("hicache storage: page %s failed verification: %s", keys[num_good], why)
-            raise StoredPageError(
-                f"storage page {keys[num_good]} is unusable: {why}", frozenset(keys[:num_good])
-            )
-
-    def _job_storage_delete(self, keys: list[str]) -> None:
-        for key in keys:
-            self.storage.delete(key)
-
-    # -- match and insert ----------------------------------------------------------
+    # -- match and load back ---------------------------------------------------------
 
     def match_prefix(self, token_ids: object) -> MatchResult:
         """The device part of the match only (no loading)."""
@@ -410,12 +202,10 @@ class HiRadixCache(RadixCache):
         num_pages = len(node.key) // self.page_size
         pages = self.allocator.alloc_pages(num_pages, owner=OWNER_TREE)
         if node.host_pages is not None:
-            fence = self._submit(
-                self._job_from_host, node.host_pages.copy(), pages, pool_pages=True
-            )
+            fence = self.copies.from_host(node.host_pages.copy(), pages)
         else:
             keys = list(self._hashes(node))
-            fence = self._submit(self._job_from_storage, keys, pages, pool_pages=True)
+            fence = self.copies.from_storage(self.storage, keys, pages)
             self.stats.storage_read_bytes += num_pages * self.page_bytes
         self.stats.load_bytes += num_pages * self.page_bytes
         self.stats.load_tokens += len(node.key)
@@ -423,6 +213,8 @@ class HiRadixCache(RadixCache):
         node.value = self.allocator.pages_to_slots(pages)
         node.load_fence = fence
         self._num_evictable_tokens += len(node.key)  # off-device nodes are never locked
+
+    # -- insert and back up (the write policies) ------------------------------------
 
     def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
         """Insert; off-device nodes on the path take the caller's slots (its KV is the same)."""
@@ -471,174 +263,6 @@ class HiRadixCache(RadixCache):
             if node.value.size and node.host_pages is None:
                 self._backup(node, protect)
         return self.stats.backup_bytes - before
-
-    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
-        upper = super()._split(node, split_len)
-        num_pages = split_len // self.page_size
-        if node.host_pages is not None:
-            upper.host_pages = node.host_pages[:num_pages]
-            node.host_pages = node.host_pages[num_pages:]
-        if node.hashes is not None:
-            upper.hashes = node.hashes[:num_pages]
-            node.hashes = node.hashes[num_pages:]
-        upper.on_disk = node.on_disk
-        upper.hit_count = node.hit_count
-        upper.load_fence = node.load_fence
-        return upper
-
-    def _hashes(self, node: TreeNode) -> list[str]:
-        """The node's storage keys (hash chain from the root), computed once."""
-        chain = []
-        at = node
-        while at is not self.root and at.hashes is None:
-            chain.append(at)
-            at = at.parent
-        prev = "" if at is self.root else at.hashes[-1]
-        for n in reversed(chain):
-            n.hashes = page_hash_chain(prev, n.key, self.page_size)
-            prev = n.hashes[-1]
-        return node.hashes
-
-    # -- the host tier -------------------------------------------------------------
-
-    def _load_state(self, node: TreeNode) -> str:
-        """``"ok"`` (no load, or it succeeded), ``"pending"`` or ``"failed"``; never waits."""
-        fence = node.load_fence
-        if fence is None:
-            return "ok"
-        if not fence.done():
-            return "pending"
-        if fence.error() is None:
-            node.load_fence = None
-            return "ok"
-        return "failed"
-
-    def _backup(self, node: TreeNode, protect: set[int]) -> bool:
-        """Copy a device node to the host tier (making room there); False if it cannot."""
-        if self._load_state(node) != "ok":
-            # Loaded from a copy it still has (host or storage): a backup can wait until
-            # the load is known good; one that failed must never be copied anywhere.
-            return False
-        num_pages = len(node.key) // self.page_size
-        host_pages = self._host_alloc(num_pages, protect | {id(node)})
-        if host_pages is None:
-            return False
-        dev_pages = node.value[:: self.page_size] // self.page_size
-        self._submit(self._job_to_host, dev_pages, host_pages, pool_pages=True)
-        node.host_pages = host_pages
-        self.stats.backup_bytes += num_pages * self.page_bytes
-        self.stats.backup_tokens += len(node.key)
-        self.stats.backups += 1
-        return True
-
-    def _host_alloc(self, num_pages: int, protect: set[int]) -> np.ndarray | None:
-        if num_pages > self.host.num_pages:
-            return None
-        if num_pages > self.host.free_pages:
-            self._evict_host(num_pages - self.host.free_pages, protect)
-        return self.host.alloc(num_pages)
-
-    def _host_evictable(self, node: TreeNode) -> bool:
-        if node.host_pages is None or node.parent is None:
-            return False
-        if node.value.size or node.on_disk or self.storage is not None:
-            return True
-        return not node.children  # dropping it must orphan nothing
-
-    def evict_host(self, num_pages: int) -> int:
-        """Free ``num_pages`` host pages (LRU); returns the pages freed."""
-        before = self.host.free_pages
-        self._evict_host(num_pages, set())
-        return self.host.free_pages - before
-
-    def _evict_host(self, num_pages: int, protect: set[int]) -> None:
-        """Host LRU, copies of device nodes last: demote to storage (if any), else free the
-        copy of a device node, else drop a host-only leaf."""
-        heap = [
-            (bool(n.value.size), n.last_access_time, n.node_id, n)
-            for n in self.iter_nodes()
-            if id(n) not in protect and self._host_evictable(n)
-        ]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            *_, node = heapq.heappop(heap)
-            if node.parent is None or not self._host_evictable(node):
-                continue  # dropped meanwhile
-            pages = node.host_pages
-            if node.on_disk:
-                self._free_host(node)
-            elif self.storage is not None and self._demote(node, protect):
-                pass
-            elif node.value.size:
-                self._free_host(node)
-            elif not node.children:
-                parent = node.parent
-                self._drop_subtree(node)
-                if id(parent) not in protect and self._host_evictable(parent):
-                    heapq.heappush(
-                        heap,
-                        (bool(parent.value.size), parent.last_access_time, parent.node_id, parent),
-                    )
-            else:
-                continue
-            freed += pages.size
-
-    def _free_host(self, node: TreeNode) -> None:
-        self.host.free(node.host_pages)
-        node.host_pages = None
-
-    def _demote(self, node: TreeNode, protect: set[int]) -> bool:
-        """Write a node's host pages to storage and free them."""
-        num_pages = len(node.key) // self.page_size
-        if not self._storage_reserve(num_pages, protect | {id(node)}):
-            return False
-        keys = list(self._hashes(node))
-        self._submit(self._job_host_to_storage, node.host_pages.copy(), keys, pool_pages=False)
-        self._storage_keys.update(keys)
-        node.on_disk = True
-        self.stats.storage_write_bytes += num_pages * self.page_bytes
-        self._free_host(node)
-        return True
-
-    # -- the storage tier ----------------------------------------------------------
-
-    def _storage_evictable(self, node: TreeNode) -> bool:
-        if not node.on_disk or node.parent is None:
-            return False
-        return bool(node.value.size) or node.host_pages is not None or not node.children
-
-    def _storage_reserve(self, num_pages: int, protect: set[int]) -> bool:
-        room = self.storage_capacity_pages - len(self._storage_keys)
-        if num_pages > self.storage_capacity_pages:
-            return False
-        if num_pages <= room:
-            return True
-        heap = [
-            (n.last_access_time, n.node_id, n)
-            for n in self.iter_nodes()
-            if id(n) not in protect and self._storage_evictable(n)
-        ]
-        heapq.heapify(heap)
-        while room < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._storage_evictable(node):
-                continue
-            room += len(node.key) // self.page_size
-            if node.value.size or node.host_pages is not None:
-                self._delete_storage(node)
-            else:
-                parent = node.parent
-                self._drop_subtree(node)
-                if id(parent) not in protect and self._storage_evictable(parent):
-                    heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
-        return room >= num_pages
-
-    def _delete_storage(self, node: TreeNode) -> None:
-        keys = list(self._hashes(node))
-        self._storage_keys.difference_update(keys)
-        node.on_disk = False
-        self._submit(self._job_storage_delete, keys, pool_pages=False)
 
     # -- device eviction -------------------------------------------------------------
 
@@ -718,172 +342,31 @@ class HiRadixCache(RadixCache):
                 self._delete_storage(node)
         return evicted
 
-    def split_failed(self, node: TreeNode) -> bool:
-        """Cut a node whose load failed after the pages that load verified and copied:
-        the new upper node keeps them, its load done; ``node`` keeps the rest. Returns
-        whether ``node`` still failed (False: all its pages were good)."""
-        loaded = getattr(node.load_fence.error(), "loaded", frozenset())
-        hashes = self._hashes(node) if loaded else []
-        num_good = 0
-        while num_good < len(hashes) and hashes[num_good] in loaded:
-            num_good += 1
-        if num_good == len(hashes) and hashes:
-            node.load_fence = None
-            return False
-        if num_good:
-            self._split(node, num_good * self.page_size).load_fence = None
-        return True
+    # -- sizes and stats -------------------------------------------------------------
 
-    def wait_load(self, node: TreeNode, fence: CopyFence) -> bool:
-        fence.wait()
-        if node.load_fence is not fence:
-            return False  # seen to by whoever found it first
-        if fence.error() is None:
-            node.load_fence = None
-            return False
-        return node.parent is not None
+    def host_used_tokens(self) -> int:
+        return self.host.used_pages * self.page_size
 
-    def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
-        """The nodes from ``nodes`` up to the root whose load failed, each cut after the
-        pages its load verified (:meth:`split_failed`): the parts to drop."""
-        bad: dict[int, TreeNode] = {}
-        for node in nodes:
-            at = node  # and its ancestors: a split hands its load to both halves
-            while at is not None and at is not self.root:
-                failed = id(at) not in bad and self._load_state(at) == "failed"
-                if failed and self.split_failed(at):
-                    bad[id(at)] = at
-                at = at.parent
-        return list(bad.values())
+    def host_capacity_tokens(self) -> int:
+        return self.host.num_pages * self.page_size
 
-    def reap_failed_writes(self) -> int:
-        """Nodes whose storage write failed give up their storage copy; one that was
-        only there is dropped, with what hangs below it. Returns the keys written in vain.
+    def storage_used_bytes(self) -> int:
+        return len(self._storage_keys) * self.page_bytes
 
-        A load of such a page, issued after the failed write, finds it missing and
-        fails on its own (a miss); nothing stored is ever read unverified.
-        """
-        failed: set[str] = set()
-        while self._failed_writes:
-            failed.update(self._failed_writes.popleft())
-        if not failed:
-            return 0
-        hit = [n for n in self.iter_nodes() if n.on_disk and not failed.isdisjoint(self._hashes(n))]
-        for node in hit:
-            if node.parent is None:
-                continue  # dropped with an ancestor
-            if node.value.size or node.host_pages is not None:
-                self._delete_storage(node)
+    def storage_capacity_bytes(self) -> int:
+        return self.storage_capacity_pages * self.page_bytes
+
+    def tier_tokens(self) -> dict[str, int]:
+        """Tokens by where their KV is: on the device, host-only, storage-only."""
+        out = {"device": 0, "host_only": 0, "storage_only": 0}
+        for node in self.iter_nodes():
+            if node.value.size:
+                out["device"] += len(node.key)
+            elif node.host_pages is not None:
+                out["host_only"] += len(node.key)
             else:
-                self._drop_subtree(node)
-        return len(failed)
-
-    def discard_failed(self, nodes: Iterable[TreeNode]) -> None:
-        """Drop nodes whose load failed, and everything below them, from every tier.
-
-        The caller has released every request holding them (none ran a forward
-        on them: a request's ``alloc_extend`` waits for its loads first).
-        """
-        for node in nodes:
-            if node.parent is None:
-                continue  # already dropped with an ancestor
-            stack = [node]
-            while stack:
-                n = stack.pop()
-                stack.extend(n.children.values())
-                if n.lock_ref:
-                    raise IntegrityError(f"discarding node {n.node_id}, which is locked")
-                if n.value.size:
-                    slots, n.value = n.value, _EMPTY
-                    self._num_evictable_tokens -= len(n.key)
-                    self.allocator.free(slots)
-                n.load_fence = None
-            self._drop_subtree(node)
-
-    def _drop_subtree(self, node: TreeNode) -> None:
-        """Remove an unlocked, off-device node and everything below it from all tiers."""
-        del node.parent.children[self._page_key(node.key)]
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            if n.value.size:  # only the caller's node may still be counted: it is not
-                raise IntegrityError(f"dropping node {n.node_id}, which is on the device")
-            if n.host_pages is not None:
-                self._free_host(n)
-            if n.on_disk:
-                self._delete_storage(n)
-            self.stats.dropped_tokens += len(n.key)
-            n.parent = None
-            n.children = {}
-
-    # -- integrity -----------------------------------------------------------------
-
-    def check(self) -> None:
-        """:meth:`RadixCache.check` over the tiers: device nodes closed under parent,
-        locks only on the device, every node's KV in some tier, and each tier's pages
-        (host arena, storage keys) held by exactly one node and accounted."""
-        self._check_root()
-        root, ps = self.root, self.page_size
-        num_tokens = {True: 0, False: 0}
-        host_pages, disk_keys = [], []
-        for node, where in self._checked_nodes():
-            key_len, parent = len(node.key), node.parent
-            if len(node.value) not in (0, key_len):
-                raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
-            on_device = bool(node.value.size)
-            if on_device and parent is not root and not parent.value.size:
-                raise IntegrityError(f"{where}: on the device under an off-device parent")
-            if node.lock_ref and not on_device:
-                raise IntegrityError(f"{where}: locked but not on the device")
-            if not on_device and node.host_pages is None and not node.on_disk:
-                raise IntegrityError(f"{where}: its KV is in no tier")
-            if node.host_pages is not None:
-                if node.host_pages.size != key_len // ps:
-                    raise IntegrityError(f"{where}: {node.host_pages.size} host pages")
-                host_pages.append(node.host_pages)
-            if node.hashes is not None and len(node.hashes) != key_len // ps:
-                raise IntegrityError(f"{where}: {len(node.hashes)} storage keys")
-            if node.on_disk:
-                disk_keys.extend(self._hashes(node))
-            if on_device:
-                self._count_device_node(node, where, num_tokens)
-        self._check_counters(num_tokens)
-        held = np.concatenate(host_pages) if host_pages else np.empty(0, np.int64)
-        if np.unique(held).size != held.size:
-            raise IntegrityError("host tier: a host page is in two nodes")
-        if held.size != self.host.used_pages or (held.size and not self.host.in_use[held].all()):
-            raise IntegrityError(
-                f"host tier: nodes hold {held.size} pages, {self.host.used_pages} in use"
-            )
-        free = self.host.free_list()
-        if np.unique(free).size != free.size or self.host.in_use[free].any():
-            raise IntegrityError("host tier: free list disagrees with pages in use")
-        if len(disk_keys) != len(set(disk_keys)) or set(disk_keys) != self._storage_keys:
-            raise IntegrityError(
-                f"storage tier: nodes hold {len(disk_keys)} keys, index {len(self._storage_keys)}"
-            )
-        if len(self._storage_keys) > self.storage_capacity_pages:
-            raise IntegrityError("storage tier over its cap")
-
-    def check_idle(self) -> None:
-        """After every copy settled: the backend holds exactly the keys the tree indexes."""
-        if self.storage is None:
-            return
-        self.settle()
-        if self.reap_failed_writes():
-            self.settle()  # the deletes it issued
-        stored = self.storage.keys()
-        if stored != self._storage_keys:
-            raise IntegrityError(
-                f"storage tier: {len(stored - self._storage_keys)} stray pages, "
-                f"{len(self._storage_keys - stored)} missing"
-            )
-
-    def close(self) -> None:
-        self.settle()
-        if self.storage is not None:
-            self.storage.close()
+                out["storage_only"] += len(node.key)
+        return out
 
     def stats_dict(self) -> dict[str, Any]:
         s = self.stats

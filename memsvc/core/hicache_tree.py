@@ -1,0 +1,420 @@
+"""The hierarchical cache's tree: where each node's KV lives, and how a tier makes room.
+
+:class:`TieredTree` is the mechanism under :class:`~memsvc.core.hicache.HiRadixCache`
+(see that module for the tiers, their invariants and the policies): a node's
+KV in the device pool, the host tier and the storage tier; backing a node up
+to host, demoting a host copy to storage, each lower tier's own LRU to make
+room, dropping what no tier holds any more, the handling of failed loads and
+writes, and the integrity check. It never decides when KV moves: matching,
+loading back, the write policies and device eviction are ``HiRadixCache``'s,
+which is the cache to use (``TieredTree`` alone inherits the device-only
+:class:`RadixCache` calls, which know nothing of the tiers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
+from memsvc.core.backends.base import KVBuffers
+from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.fence import CopyFence
+from memsvc.core.hicache_config import HiCacheConfig
+from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
+from memsvc.core.radix_cache import RadixCache, TreeNode
+from memsvc.core.storage import StorageBackend, create_storage
+
+_EMPTY = np.empty(0, dtype=SLOT_DTYPE)
+
+
+@dataclass(slots=True, eq=False)
+class HiTreeNode(TreeNode):
+    host_pages: np.ndarray | None = None  # host arena page per page of the key
+    on_disk: bool = False  # every page of the key is in the storage tier
+    hashes: list[str] | None = None  # storage keys, one per page (computed on demand)
+    hit_count: int = 0
+    load_fence: CopyFence | None = None  # the copy loading ``value`` (None: no load)
+
+
+class TieredTree(RadixCache):
+    """A radix tree whose nodes may live in the host and storage tiers too (the module
+    docstring says what it does and does not do)."""
+
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        buffers: KVBuffers,
+        config: HiCacheConfig,
+        *,
+        storage: StorageBackend | None = None,
+    ) -> None:
+        super().__init__(allocator)
+        self.buffers = buffers
+        self.config = config
+        self.write_policy = config.write_policy
+        page_bytes = buffers.layout.bytes_per_page
+        self.page_bytes = page_bytes
+        self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
+        try:
+            if storage is None and config.storage_backend is not None:
+                storage = create_storage(config, page_bytes)
+        except OSError as exc:
+            raise InvalidArgumentError(
+                f"hicache storage directory {config.storage_dir or 'default'!r} is unusable: {exc}"
+            ) from exc
+        self.storage = storage
+        self.storage_capacity_pages = (
+            config.storage_pages(self.host.num_pages, page_bytes) if storage else 0
+        )
+        self._storage_keys: set[str] = set()
+        self.stats = HiCacheStats()
+        self.copies = TierCopies(buffers, allocator, self.host, self.stats)
+
+    def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
+        self._num_nodes_created += 1
+        return HiTreeNode(key, value, parent, self._num_nodes_created)
+
+    def settle(self) -> None:
+        """Wait for every copy issued so far."""
+        self.copies.settle()
+
+    # -- node placement --------------------------------------------------------------
+
+    def _split(self, node: TreeNode, split_len: int) -> TreeNode:
+        upper = super()._split(node, split_len)
+        num_pages = split_len // self.page_size
+        if node.host_pages is not None:
+            upper.host_pages = node.host_pages[:num_pages]
+            node.host_pages = node.host_pages[num_pages:]
+        if node.hashes is not None:
+            upper.hashes = node.hashes[:num_pages]
+            node.hashes = node.hashes[num_pages:]
+        upper.on_disk = node.on_disk
+        upper.hit_count = node.hit_count
+        upper.load_fence = node.load_fence
+        return upper
+
+    def _hashes(self, node: TreeNode) -> list[str]:
+        """The node's storage keys (hash chain from the root), computed once."""
+        chain = []
+        at = node
+        while at is not self.root and at.hashes is None:
+            chain.append(at)
+            at = at.parent
+        prev = "" if at is self.root else at.hashes[-1]
+        for n in reversed(chain):
+            n.hashes = page_hash_chain(prev, n.key, self.page_size)
+            prev = n.hashes[-1]
+        return node.hashes
+
+    def _load_state(self, node: TreeNode) -> str:
+        """``"ok"`` (no load, or it succeeded), ``"pending"`` or ``"failed"``; never waits."""
+        fence = node.load_fence
+        if fence is None:
+            return "ok"
+        if not fence.done():
+            return "pending"
+        if fence.error() is None:
+            node.load_fence = None
+            return "ok"
+        return "failed"
+
+    # -- the host tier -------------------------------------------------------------
+
+    def _backup(self, node: TreeNode, protect: set[int]) -> bool:
+        """Copy a device node to the host tier (making room there); False if it cannot."""
+        if self._load_state(node) != "ok":
+            # Loaded from a copy it still has (host or storage): a backup can wait until
+            # the load is known good; one that failed must never be copied anywhere.
+            return False
+        num_pages = len(node.key) // self.page_size
+        host_pages = self._host_alloc(num_pages, protect | {id(node)})
+        if host_pages is None:
+            return False
+        dev_pages = node.value[:: self.page_size] // self.page_size
+        self.copies.to_host(dev_pages, host_pages)
+        node.host_pages = host_pages
+        self.stats.backup_bytes += num_pages * self.page_bytes
+        self.stats.backup_tokens += len(node.key)
+        self.stats.backups += 1
+        return True
+
+    def _host_alloc(self, num_pages: int, protect: set[int]) -> np.ndarray | None:
+        if num_pages > self.host.num_pages:
+            return None
+        if num_pages > self.host.free_pages:
+            self._evict_host(num_pages - self.host.free_pages, protect)
+        return self.host.alloc(num_pages)
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        if node.host_pages is None or node.parent is None:
+            return False
+        if node.value.size or node.on_disk or self.storage is not None:
+            return True
+        return not node.children  # dropping it must orphan nothing
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free ``num_pages`` host pages (LRU); returns the pages freed."""
+        before = self.host.free_pages
+        self._evict_host(num_pages, set())
+        return self.host.free_pages - before
+
+    def _evict_host(self, num_pages: int, protect: set[int]) -> None:
+        """Host LRU, copies of device nodes last: demote to storage (if any), else free the
+        copy of a device node, else drop a host-only leaf."""
+        heap = [
+            (bool(n.value.size), n.last_access_time, n.node_id, n)
+            for n in self.iter_nodes()
+            if id(n) not in protect and self._host_evictable(n)
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            *_, node = heapq.heappop(heap)
+            if node.parent is None or not self._host_evictable(node):
+                continue  # dropped meanwhile
+            pages = node.host_pages
+            if node.on_disk:
+                self._free_host(node)
+            elif self.storage is not None and self._demote(node, protect):
+                pass
+            elif node.value.size:
+                self._free_host(node)
+            elif not node.children:
+                parent = node.parent
+                self._drop_subtree(node)
+                if id(parent) not in protect and self._host_evictable(parent):
+                    heapq.heappush(
+                        heap,
+                        (bool(parent.value.size), parent.last_access_time, parent.node_id, parent),
+                    )
+            else:
+                continue
+            freed += pages.size
+
+    def _free_host(self, node: TreeNode) -> None:
+        self.host.free(node.host_pages)
+        node.host_pages = None
+
+    def _demote(self, node: TreeNode, protect: set[int]) -> bool:
+        """Write a node's host pages to storage and free them."""
+        num_pages = len(node.key) // self.page_size
+        if not self._storage_reserve(num_pages, protect | {id(node)}):
+            return False
+        keys = list(self._hashes(node))
+        self.copies.to_storage(self.storage, node.host_pages.copy(), keys)
+        self._storage_keys.update(keys)
+        node.on_disk = True
+        self.stats.storage_write_bytes += num_pages * self.page_bytes
+        self._free_host(node)
+        return True
+
+    # -- the storage tier ----------------------------------------------------------
+
+    def _storage_evictable(self, node: TreeNode) -> bool:
+        if not node.on_disk or node.parent is None:
+            return False
+        return bool(node.value.size) or node.host_pages is not None or not node.children
+
+    def _storage_reserve(self, num_pages: int, protect: set[int]) -> bool:
+        room = self.storage_capacity_pages - len(self._storage_keys)
+        if num_pages > self.storage_capacity_pages:
+            return False
+        if num_pages <= room:
+            return True
+        heap = [
+            (n.last_access_time, n.node_id, n)
+            for n in self.iter_nodes()
+            if id(n) not in protect and self._storage_evictable(n)
+        ]
+        heapq.heapify(heap)
+        while room < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._storage_evictable(node):
+                continue
+            room += len(node.key) // self.page_size
+            if node.value.size or node.host_pages is not None:
+                self._delete_storage(node)
+            else:
+                parent = node.parent
+                self._drop_subtree(node)
+                if id(parent) not in protect and self._storage_evictable(parent):
+                    heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+        return room >= num_pages
+
+    def _delete_storage(self, node: TreeNode) -> None:
+        keys = list(self._hashes(node))
+        self._storage_keys.difference_update(keys)
+        node.on_disk = False
+        self.copies.delete(self.storage, keys)
+
+    # -- failed loads and writes -----------------------------------------------------
+
+    def split_failed(self, node: TreeNode) -> bool:
+        """Cut a node whose load failed after the pages that load verified and copied:
+        the new upper node keeps them, its load done; ``node`` keeps the rest. Returns
+        whether ``node`` still failed (False: all its pages were good)."""
+        loaded = getattr(node.load_fence.error(), "loaded", frozenset())
+        hashes = self._hashes(node) if loaded else []
+        num_good = 0
+        while num_good < len(hashes) and hashes[num_good] in loaded:
+            num_good += 1
+        if num_good == len(hashes) and hashes:
+            node.load_fence = None
+            return False
+        if num_good:
+            self._split(node, num_good * self.page_size).load_fence = None
+        return True
+
+    def wait_load(self, node: TreeNode, fence: CopyFence) -> bool:
+        fence.wait()
+        if node.load_fence is not fence:
+            return False  # seen to by whoever found it first
+        if fence.error() is None:
+            node.load_fence = None
+            return False
+        return node.parent is not None
+
+    def failed_loads_above(self, nodes: Iterable[TreeNode]) -> list[TreeNode]:
+        """The nodes from ``nodes`` up to the root whose load failed, each cut after the
+        pages its load verified (:meth:`split_failed`): the parts to drop."""
+        bad: dict[int, TreeNode] = {}
+        for node in nodes:
+            at = node  # and its ancestors: a split hands its load to both halves
+            while at is not None and at is not self.root:
+                failed = id(at) not in bad and self._load_state(at) == "failed"
+                if failed and self.split_failed(at):
+                    bad[id(at)] = at
+                at = at.parent
+        return list(bad.values())
+
+    def reap_failed_writes(self) -> int:
+        """Nodes whose storage write failed give up their storage copy; one that was
+        only there is dropped, with what hangs below it. Returns the keys written in vain.
+
+        A load of such a page, issued after the failed write, finds it missing and
+        fails on its own (a miss); nothing stored is ever read unverified.
+        """
+        failed = self.copies.take_failed_writes()
+        if not failed:
+            return 0
+        hit = [n for n in self.iter_nodes() if n.on_disk and not failed.isdisjoint(self._hashes(n))]
+        for node in hit:
+            if node.parent is None:
+                continue  # dropped with an ancestor
+            if node.value.size or node.host_pages is not None:
+                self._delete_storage(node)
+            else:
+                self._drop_subtree(node)
+        return len(failed)
+
+    def discard_failed(self, nodes: Iterable[TreeNode]) -> None:
+        """Drop nodes whose load failed, and everything below them, from every tier.
+
+        The caller has released every request holding them (none ran a forward
+        on them: a request's ``alloc_extend`` waits for its loads first).
+        """
+        for node in nodes:
+            if node.parent is None:
+                continue  # already dropped with an ancestor
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                if n.lock_ref:
+                    raise IntegrityError(f"discarding node {n.node_id}, which is locked")
+                if n.value.size:
+                    slots, n.value = n.value, _EMPTY
+                    self._num_evictable_tokens -= len(n.key)
+                    self.allocator.free(slots)
+                n.load_fence = None
+            self._drop_subtree(node)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove an unlocked, off-device node and everything below it from all tiers."""
+        del node.parent.children[self._page_key(node.key)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.value.size:  # only the caller's node may still be counted: it is not
+                raise IntegrityError(f"dropping node {n.node_id}, which is on the device")
+            if n.host_pages is not None:
+                self._free_host(n)
+            if n.on_disk:
+                self._delete_storage(n)
+            self.stats.dropped_tokens += len(n.key)
+            n.parent = None
+            n.children = {}
+
+    # -- integrity -----------------------------------------------------------------
+
+    def check(self) -> None:
+        """:meth:`RadixCache.check` over the tiers: device nodes closed under parent,
+        locks only on the device, every node's KV in some tier, and each tier's pages
+        (host arena, storage keys) held by exactly one node and accounted."""
+        self._check_root()
+        root, ps = self.root, self.page_size
+        num_tokens = {True: 0, False: 0}
+        host_pages, disk_keys = [], []
+        for node, where in self._checked_nodes():
+            key_len, parent = len(node.key), node.parent
+            if len(node.value) not in (0, key_len):
+                raise IntegrityError(f"{where}: key/value lengths {key_len}/{len(node.value)}")
+            on_device = bool(node.value.size)
+            if on_device and parent is not root and not parent.value.size:
+                raise IntegrityError(f"{where}: on the device under an off-device parent")
+            if node.lock_ref and not on_device:
+                raise IntegrityError(f"{where}: locked but not on the device")
+            if not on_device and node.host_pages is None and not node.on_disk:
+                raise IntegrityError(f"{where}: its KV is in no tier")
+            if node.host_pages is not None:
+                if node.host_pages.size != key_len // ps:
+                    raise IntegrityError(f"{where}: {node.host_pages.size} host pages")
+                host_pages.append(node.host_pages)
+            if node.hashes is not None and len(node.hashes) != key_len // ps:
+                raise IntegrityError(f"{where}: {len(node.hashes)} storage keys")
+            if node.on_disk:
+                disk_keys.extend(self._hashes(node))
+            if on_device:
+                self._count_device_node(node, where, num_tokens)
+        self._check_counters(num_tokens)
+        held = np.concatenate(host_pages) if host_pages else np.empty(0, np.int64)
+        if np.unique(held).size != held.size:
+            raise IntegrityError("host tier: a host page is in two nodes")
+        if held.size != self.host.used_pages or (held.size and not self.host.in_use[held].all()):
+            raise IntegrityError(
+                f"host tier: nodes hold {held.size} pages, {self.host.used_pages} in use"
+            )
+        free = self.host.free_list()
+        if np.unique(free).size != free.size or self.host.in_use[free].any():
+            raise IntegrityError("host tier: free list disagrees with pages in use")
+        if len(disk_keys) != len(set(disk_keys)) or set(disk_keys) != self._storage_keys:
+            raise IntegrityError(
+                f"storage tier: nodes hold {len(disk_keys)} keys, index {len(self._storage_keys)}"
+            )
+        if len(self._storage_keys) > self.storage_capacity_pages:
+            raise IntegrityError("storage tier over its cap")
+
+    def check_idle(self) -> None:
+        """After every copy settled: the backend holds exactly the keys the tree indexes."""
+        if self.storage is None:
+            return
+        self.settle()
+        if self.reap_failed_writes():
+            self.settle()  # the deletes it issued
+        stored = self.storage.keys()
+        if stored != self._storage_keys:
+            raise IntegrityError(
+                f"storage tier: {len(stored - self._storage_keys)} stray pages, "
+                f"{len(self._storage_keys - stored)} missing"
+            )
+
+    def close(self) -> None:
+        self.settle()
+        if self.storage is not None:
+            self.storage.close()
