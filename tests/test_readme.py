@@ -128,9 +128,11 @@ def check(words: list[str]) -> None:
         raise AssertionError(f"the docs show a command this test cannot check: {words}")
 
 
-def check_config(block: str) -> None:
-    """A ``--config`` YAML of ``kvstack serve``: keys are its flags without ``--``."""
-    from kvstack.cli import build_parser
+def check_config(block: str, folder: Path) -> None:
+    """A ``--config`` YAML of ``kvstack serve``: keys are its flags without ``--``, and
+    ``kvstack serve --config FILE`` reads each value as that flag given on the command
+    line."""
+    from kvstack.cli import build_parser, parse_args
 
     serve = build_parser(["serve"]).subcommands["serve"]
     flags = {flag for action in serve._actions for flag in action.option_strings}
@@ -140,7 +142,12 @@ def check_config(block: str) -> None:
     for key, value in config.items():
         assert f"--{key}" in flags, f"kvstack serve has no flag --{key}"
         argv += [f"--{key}"] if value is True else [f"--{key}", str(value)]
-    serve.parse_args(argv)
+    path = folder / "config.yaml"
+    path.write_text(block)
+    assert vars(parse_args(["serve", "--config", str(path)])) == {
+        **vars(parse_args(["serve", *argv])),
+        "config": str(path),
+    }
 
 
 @pytest.mark.parametrize(("document", "command"), documented(shell_commands))
@@ -158,8 +165,8 @@ def test_documented_python_compiles(document: str, block: str) -> None:
 @pytest.mark.parametrize(
     ("document", "block"), documented(lambda t: [b for k, b in blocks(t) if is_yaml(k)])
 )
-def test_documented_config_file_names_real_flags(document: str, block: str) -> None:
-    check_config(block)
+def test_documented_config_file_names_real_flags(document: str, block: str, tmp_path: Path) -> None:
+    check_config(block, tmp_path)
 
 
 def test_the_docs_pages_are_covered() -> None:
@@ -168,15 +175,15 @@ def test_the_docs_pages_are_covered() -> None:
     assert any(name.startswith("docs/") for name in DOCUMENTS[1:])
 
 
-def test_a_bad_flag_would_be_caught() -> None:
+def test_a_bad_flag_would_be_caught(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         check(["memsvc", "--no-such-flag"])
     with pytest.raises(AssertionError):
         check(["make", "no-such-target"])
     with pytest.raises(AssertionError):
-        check_config("no-such-flag: 1\n")
+        check_config("no-such-flag: 1\n", tmp_path)
     with pytest.raises(SystemExit):
-        check_config("retract-mode: no-such-mode\n")
+        check_config("retract-mode: no-such-mode\n", tmp_path)
 
 
 def test_the_docs_name_the_compose_version_the_compose_files_need() -> None:
