@@ -19,6 +19,7 @@ import importlib
 import sys
 
 from memsvc.lifeline import die_with_parent
+from memsvc.settings import apply_config_file
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -56,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     whose error would print ``kvstack``'s usage, not the subcommand's.)
     """
     parser = build_parser(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    if chosen in parser.subcommands:  # its --config FILE, if it takes one, gives defaults
+        apply_config_file(parser.subcommands[chosen], argv[argv.index(chosen) + 1 :])
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

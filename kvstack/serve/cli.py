@@ -55,28 +55,28 @@ from kvstack.serve.limits import (
     limits_from_args,
     listen_backlog,
 )
+from kvstack.stack.forward import (
+    MEMSVC,
+    ROUTER,
+    SCHEDULER,
+    add_service_flags,
+    service_argv,
+    transfer_options,
+)
+from kvstack.stack.launch import add_ready_timeout, ready_timeout
 from kvstack.stack.model_args import (
     ModelArgsError,
     StackModel,
     add_model_arguments,
-    resolve_model_path,
-    stack_model,
-)
-from kvstack.stack.service_flags import (
-    MEMSVC,
-    ROUTER,
-    SCHEDULER,
     add_model_flags,
-    add_ready_timeout,
-    add_service_flags,
-    ready_timeout,
+    resolve_model_path,
     served_model_name,
-    service_argv,
-    transfer_options,
+    stack_model,
 )
 from memsvc.cli import LOG_FORMAT, write_ready_file
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.curve import CurveClientKeys, KeyFolder
+from memsvc.settings import add_config_argument
 
 log = logging.getLogger("kvstack.http")
 
@@ -331,6 +331,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_model_flags(model)
     add_service_flags(parser)
+    add_config_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ the end of its log.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -55,6 +56,27 @@ def model_ready_timeout(checkpoint: str | Path) -> float:
     folder = Path(checkpoint)
     size = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
     return READY_TIMEOUT_S + LOAD_S_PER_GB * size / 1e9
+
+
+def add_ready_timeout(group: Any) -> None:
+    """``--ready-timeout``: how long ``serve`` and ``up`` give each service to start."""
+    group.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="SECONDS",
+        help="seconds each service may take to start (default: "
+        f"{READY_TIMEOUT_S:g}, plus {LOAD_S_PER_GB:g} per GB of checkpoint, which model_svc "
+        "loads)",
+    )
+
+
+def ready_timeout(args: argparse.Namespace, checkpoint: str | Path | None) -> float:
+    """``--ready-timeout``, or its default for ``checkpoint`` (None: no model to load)."""
+    given = getattr(args, "ready_timeout", None)
+    if given is not None:
+        return given
+    return READY_TIMEOUT_S if checkpoint is None else model_ready_timeout(checkpoint)
 
 
 def service_env(extra: dict[str, str] | None = None, *, die_with_parent: bool = True) -> dict:

@@ -121,6 +121,33 @@ def add_model_arguments(
     return group
 
 
+def add_model_flags(group: Any) -> None:
+    """``serve`` / ``up``'s own model flags, into the model group of :func:`add_model_arguments`.
+
+    SGLang's ``--served-model-name`` (the model's name in the API and the
+    metrics) and ``--max-context-len`` (the longest request, memsvc's rows).
+    """
+    group.add_argument(
+        "--served-model-name",
+        default=argparse.SUPPRESS,
+        metavar="NAME",
+        help="the model's name in /v1/models, responses and the metrics' model_name label "
+        "(default: --model-path as given, as SGLang; serve --scheduler without it: the "
+        "scheduler's)",
+    )
+    group.add_argument(
+        "--max-context-len",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="longest request (prompt + output) in tokens (default: the checkpoint's "
+        "max_position_embeddings)",
+    )
+
+
+def served_model_name(args: argparse.Namespace) -> str | None:
+    return getattr(args, "served_model_name", None) or args.model_path
+
+
 def resolve_model_path(value: str, *, say: Callable[[str], None] | None = None) -> Path:
     """:func:`kvstack.model.paths.resolve_model_path`, raising :class:`ModelArgsError`."""
     try:

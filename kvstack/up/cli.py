@@ -18,28 +18,28 @@ import threading
 from pathlib import Path
 
 from kvstack.model.paths import TINY, say_on_stderr
-from kvstack.stack.model_args import (
-    ModelArgsError,
-    add_model_arguments,
-    stack_model,
-)
-from kvstack.stack.service_flags import (
+from kvstack.stack.forward import (
     MEMSVC,
     ROUTER,
     SCHEDULER,
-    add_model_flags,
-    add_ready_timeout,
     add_service_flags,
-    ready_timeout,
-    served_model_name,
     service_argv,
     transfer_options,
+)
+from kvstack.stack.launch import add_ready_timeout, ready_timeout
+from kvstack.stack.model_args import (
+    ModelArgsError,
+    add_model_arguments,
+    add_model_flags,
+    served_model_name,
+    stack_model,
 )
 from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT, make_private_dirs, open_private_log
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.curve import KeyFolder
+from memsvc.settings import add_config_argument
 
 log = logging.getLogger("kvstack.supervisor")
 
@@ -100,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "world-writable (README: Security)",
     )
     add_service_flags(parser)
+    add_config_argument(parser)
     extra = parser.add_argument_group(
         "more flags for one service (repeat for each; PD: memsvc and scheduler flags go to both "
         "nodes)"
