@@ -35,6 +35,7 @@ from kvstack.stack.model_pool import pool_layout_args, worker_threads
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from memsvc.curve import KeyFolder
 from memsvc.lifeline import child_env
+from memsvc.transfer_backend import TransferBackend
 
 REPO = Path(__file__).resolve().parents[2]
 # Seconds a service may take to write its ready file: generous, as a start-up on a
@@ -283,7 +284,7 @@ class Launcher:
         *,
         decode_pool: list[str] | None = None,
         decode_scheduler: list[str] = (),
-        transfer_backend: str = "auto",
+        transfer_backend: TransferBackend | str = TransferBackend.AUTO,
         transfer_timeout: float = 5.0,
         model: Sequence[str] = (),
         router: Sequence[str] = (),
@@ -300,7 +301,7 @@ class Launcher:
         logging = ["--log-level", log_level] if log_level else []
         transfer = [
             "--transfer-backend",
-            transfer_backend,
+            str(transfer_backend),
             "--transfer-timeout",
             str(transfer_timeout),
         ]

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvstack.stack.model_pool import PoolMismatchError, pool_layout_args, worker_threads
 from memsvc.curve import KeyFolder
+from memsvc.transfer_backend import TransferBackend
 
 MAX_IPC_PATH = 100  # sun_path holds 108 bytes; keep a margin
 
@@ -73,7 +74,7 @@ class StackOptions:
     decode_memsvc_args: list[str] = field(default_factory=list)
     decode_scheduler_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
-    transfer_backend: str = "auto"
+    transfer_backend: TransferBackend | str = TransferBackend.AUTO
     transfer_timeout: float | None = None
     curve: KeyFolder | None = None
 
@@ -172,7 +173,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
     logging_args = ["--log-level", options.log_level] if options.log_level else []
     checkpoint = options.checkpoint or str(default_checkpoint())
     transfer_sock = ipc_path(run_dir, "transfer")
-    transfer = ["--transfer-backend", options.transfer_backend]
+    transfer = ["--transfer-backend", str(options.transfer_backend)]
     if options.transfer_timeout is not None:
         transfer += ["--transfer-timeout", str(options.transfer_timeout)]
     peers = {
