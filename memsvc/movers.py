@@ -21,7 +21,7 @@ from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
 
 if TYPE_CHECKING:
-    from memsvc.transfer import Room
+    from memsvc.transfer_rooms import Room
 
 log = logging.getLogger("memsvc.transfer")
 
