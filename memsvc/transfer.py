@@ -186,21 +186,11 @@ class TransferAgent:
         self._need("decode")
         self.side.expect(rid, room_id)
 
-    def send(
-        self,
-        rid: str,
-        room_id: int,
-        num_tokens: int,
-        first_token: int,
-        cached: int,
-        peer_rid: str | None = None,
-    ) -> None:
-        """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side.
-
-        ``peer_rid``: the decode side's name for the request, if not ``rid``.
-        """
+    def send(self, rid: str, room_id: int, *args: Any, **kwargs: Any) -> None:
+        """Send ``rid``'s KV to the room's decode side (:meth:`PrefillSide.send` says
+        with what arguments)."""
         self._need("prefill")
-        self.side.send(rid, room_id, num_tokens, first_token, cached, peer_rid)
+        self.side.send(rid, room_id, *args, **kwargs)
 
     def forget(self, room_ids: list[int]) -> None:
         """Drop rooms the scheduler is done with; one still in flight is cancelled."""
