@@ -18,6 +18,7 @@ from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.core.layout import PoolLayout
 from memsvc.handlers import ServiceConfig
 from memsvc.sessions import REPLY_CACHE_SIZE
+from memsvc.settings import setting
 from memsvc.transfer_backend import TransferBackend
 
 POOL = "pool layout (the model's; kvstack serve / up read it from the checkpoint)"
@@ -75,43 +76,33 @@ SERVICE_FLAGS = {
 @dataclass(frozen=True)
 class MemsvcConfig:
     layout: PoolLayout = field(metadata={"part": PoolLayout, "group": POOL, "fields": LAYOUT_FLAGS})
-    disable_radix_cache: bool = field(
-        default=False,
-        metadata={
-            "help": "no prefix reuse: finished requests' KV is freed, not cached",
-            "group": POOL,
-            "forward": True,
-        },
+    disable_radix_cache: bool = setting(
+        False,
+        "no prefix reuse: finished requests' KV is freed, not cached",
+        group=POOL,
+        forward=True,
     )
-    backend: str = field(
-        default="shm",
-        metadata={
-            "help": "shm: POSIX shared memory (no GPU); cuda: cupy + CUDA IPC",
-            "choices": BACKENDS,
-            "group": MEMORY,
-        },
+    backend: str = setting(
+        "shm",
+        "shm: POSIX shared memory (no GPU); cuda: cupy + CUDA IPC",
+        choices=BACKENDS,
+        group=MEMORY,
     )
-    device: int = field(
-        default=0, metadata={"help": "GPU index for --backend cuda", "group": MEMORY}
+    device: int = setting(0, "GPU index for --backend cuda", group=MEMORY)
+    host_store_bytes: int | None = setting(
+        None,
+        "CPU RAM for offloaded KV (default: the size of the KV pool)",
+        group=MEMORY,
+        forward=True,
     )
-    host_store_bytes: int | None = field(
-        default=None,
-        metadata={
-            "help": "CPU RAM for offloaded KV (default: the size of the KV pool)",
-            "group": MEMORY,
-            "forward": True,
-        },
-    )
-    offload_copy: str = field(
-        default="auto",
-        metadata={
-            "help": "async: an offload returns once its copy is issued (CUDA copy stream / shm "
-            "copy thread) and the pages it reads are reused only after it has finished; sync: "
-            "it returns when the copy is done; auto (default): async on cuda, sync on shm",
-            "choices": ("auto", "sync", "async"),
-            "group": MEMORY,
-            "forward": True,
-        },
+    offload_copy: str = setting(
+        "auto",
+        "async: an offload returns once its copy is issued (CUDA copy stream / shm copy "
+        "thread) and the pages it reads are reused only after it has finished; sync: it "
+        "returns when the copy is done; auto (default): async on cuda, sync on shm",
+        choices=("auto", "sync", "async"),
+        group=MEMORY,
+        forward=True,
     )
     hicache: HiCacheConfig | None = field(
         default=None,
@@ -124,69 +115,49 @@ class MemsvcConfig:
             "forward": True,
         },
     )
-    pd_role: str = field(
-        default="none",
-        metadata={
-            "help": "prefill: send prompt KV to the decode node's memsvc (--transfer-peer); "
-            "decode: receive it (--transfer-listen)",
-            "choices": ("none", "prefill", "decode"),
-            "group": PD,
-        },
+    pd_role: str = setting(
+        "none",
+        "prefill: send prompt KV to the decode node's memsvc (--transfer-peer); decode: "
+        "receive it (--transfer-listen)",
+        choices=("none", "prefill", "decode"),
+        group=PD,
     )
-    transfer_backend: TransferBackend = field(
-        default=TransferBackend.AUTO,
-        metadata={
-            "help": "nixl: NIXL/UCX writes straight into the peer's pool (UCX on the loopback "
-            "device only, unless --allow-remote); zmq: raw bytes frames; "
-            "auto: nixl if the nixl-cu12 wheel is installed, else zmq",
-            "group": PD,
-            "forward": True,
-        },
+    transfer_backend: TransferBackend = setting(  # noqa: RUF009 (a field)
+        TransferBackend.AUTO,
+        "nixl: NIXL/UCX writes straight into the peer's pool (UCX on the loopback device "
+        "only, unless --allow-remote); zmq: raw bytes frames; auto: nixl if the nixl-cu12 "
+        "wheel is installed, else zmq",
+        group=PD,
+        forward=True,
     )
-    transfer_listen: str | None = field(
-        default=None,
-        metadata={
-            "help": "decode role: where prefill-node memsvc connect (tcp://HOST:PORT or "
-            "ipc://PATH)",
-            "group": PD,
-        },
+    transfer_listen: str | None = setting(
+        None,
+        "decode role: where prefill-node memsvc connect (tcp://HOST:PORT or ipc://PATH)",
+        group=PD,
     )
-    transfer_peer: str | None = field(
-        default=None,
-        metadata={
-            "help": "prefill role: the decode-node memsvc's --transfer-listen address",
-            "group": PD,
-        },
+    transfer_peer: str | None = setting(
+        None, "prefill role: the decode-node memsvc's --transfer-listen address", group=PD
     )
-    transfer_timeout: float = field(
-        default=5.0,
-        metadata={
-            "help": "seconds without a word from the peer memsvc before its transfers fail",
-            "group": PD,
-            "forward": True,
-        },
+    transfer_timeout: float = setting(
+        5.0,
+        "seconds without a word from the peer memsvc before its transfers fail",
+        group=PD,
+        forward=True,
     )
     service: ServiceConfig = field(
         default_factory=ServiceConfig,
         metadata={"part": ServiceConfig, "group": SERVICE, "fields": SERVICE_FLAGS},
     )
-    reap_interval: float = field(
-        default=0.25,
-        metadata={"help": "seconds between checks for expired session leases", "group": SERVICE},
+    reap_interval: float = setting(
+        0.25, "seconds between checks for expired session leases", group=SERVICE
     )
-    metrics_port: int | None = field(
-        default=None,
-        metadata={
-            "help": "serve Prometheus metrics on --metrics-host:PORT (0: any free port)",
-            "group": SERVICE,
-        },
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics on --metrics-host:PORT (0: any free port)", group=SERVICE
     )
-    metrics_host: str = field(
-        default="127.0.0.1",
-        metadata={
-            "help": "address the metrics server binds (non-loopback needs --allow-remote)",
-            "group": SERVICE,
-        },
+    metrics_host: str = setting(
+        "127.0.0.1",
+        "address the metrics server binds (non-loopback needs --allow-remote)",
+        group=SERVICE,
     )
 
     def __post_init__(self) -> None:

@@ -2,11 +2,12 @@
 
 A frozen dataclass declares each setting once. A field becomes a command-line
 flag when its ``metadata`` holds a ``help`` (plain data, so that a pure core
-needs no import to declare one)::
+needs no import to declare one); :func:`setting` writes such a field::
 
     max_prefill_tokens: int = field(
         default=16384, metadata={"help": "most tokens one prefill batch computes"}
     )
+    reap_interval: float = setting(0.25, "seconds between checks for expired leases")
 
 Metadata keys (all optional but ``help``):
 
@@ -56,6 +57,16 @@ METADATA_KEYS = {
     "help", "flag", "group", "metavar", "choices", "type", "scale", "env", "forward", "default"
 }  # fmt: skip
 PART_KEYS = {"part", "group", "fields", "switch", "help", "partial", "forward"}
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", **metadata: Any) -> Any:
+    """A dataclass field that is a flag: ``help`` and the metadata keys above.
+
+    No ``default``: a required flag. ``default_factory`` goes to the field.
+    """
+    factory = metadata.pop("default_factory", dataclasses.MISSING)
+    meta = {"help": help, **metadata}
+    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
 class SettingsError(ValueError):

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsvc.settings import setting
 from scheduler_svc.core.config import RetractMode, SchedulerConfig
 from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 
@@ -21,98 +22,73 @@ FAULTS = "fault tolerance"
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerServiceConfig:
-    mode: str = field(
-        default="normal",
-        metadata={
-            "help": "normal: one node; prefill / decode: one side of a PD pair behind "
-            "`python -m scheduler_svc.pd.router` (memsvc needs the matching --pd-role)",
-            "choices": ("normal", "prefill", "decode"),
-        },
+    mode: str = setting(
+        "normal",
+        "normal: one node; prefill / decode: one side of a PD pair behind "
+        "`python -m scheduler_svc.pd.router` (memsvc needs the matching --pd-role)",
+        choices=("normal", "prefill", "decode"),
     )
-    memsvc: str = field(metadata={"help": "memsvc address"})
-    worker: str = field(metadata={"help": "model_svc address"})
-    page_size: int | None = field(
-        default=None,
-        metadata={"help": "expected page size; refuse to start if memsvc's differs"},
-    )
-    max_running_requests: int | None = field(
-        default=None,
-        metadata={"help": "most requests decoding at once (default: memsvc's row count)"},
+    memsvc: str = setting(help="memsvc address")
+    worker: str = setting(help="model_svc address")
+    page_size: int | None = setting(None, "expected page size; refuse to start if memsvc's differs")
+    max_running_requests: int | None = setting(
+        None, "most requests decoding at once (default: memsvc's row count)"
     )
     scheduling: Mapping[str, Any] = field(
         default_factory=dict, metadata={"part": SchedulerConfig, "partial": True}
     )
-    checkpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "checkpoint folder whose tokenizer.json to use for text input (default: "
-            "the byte-level tokenizer); info names it, so that a front decodes alike"
-        },
+    checkpoint: str | None = setting(
+        None,
+        "checkpoint folder whose tokenizer.json to use for text input (default: the "
+        "byte-level tokenizer); info names it, so that a front decodes alike",
     )
-    served_model_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "the model_name label of the sglang:* metrics (default: --checkpoint, or "
-            "'default' without one)"
-        },
+    served_model_name: str | None = setting(
+        None,
+        "the model_name label of the sglang:* metrics (default: --checkpoint, or 'default' "
+        "without one)",
     )
-    result_cache_bytes: int = field(
-        default=RESULT_CACHE_BYTES,
-        metadata={
-            "help": "bytes of finished results (as msgpack) kept to answer a re-submitted rid, "
-            f"and at most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is "
-            "always kept"
-        },
+    result_cache_bytes: int = setting(
+        RESULT_CACHE_BYTES,
+        "bytes of finished results (as msgpack) kept to answer a re-submitted rid, and at "
+        f"most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is always kept",
     )
-    metrics_port: int | None = field(
-        default=None,
-        metadata={"help": "serve Prometheus metrics on --metrics-host:PORT (0: any free port)"},
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics on --metrics-host:PORT (0: any free port)"
     )
-    metrics_host: str = field(
-        default="127.0.0.1",
-        metadata={"help": "address the metrics server binds (non-loopback needs --allow-remote)"},
+    metrics_host: str = setting(
+        "127.0.0.1", "address the metrics server binds (non-loopback needs --allow-remote)"
     )
-    memsvc_timeout: float = field(
-        default=5.0,
-        metadata={
-            "help": "seconds memsvc has to answer one op (tried 3 times) before it counts as dead",
-            "group": FAULTS,
-            "forward": True,
-        },
+    memsvc_timeout: float = setting(
+        5.0,
+        "seconds memsvc has to answer one op (tried 3 times) before it counts as dead",
+        group=FAULTS,
+        forward=True,
     )
-    memsvc_lease: float = field(
-        default=10.0,
-        metadata={
-            "help": "memsvc session lease: memsvc reclaims our KV this long after we go silent",
-            "group": FAULTS,
-            "forward": True,
-        },
+    memsvc_lease: float = setting(
+        10.0,
+        "memsvc session lease: memsvc reclaims our KV this long after we go silent",
+        group=FAULTS,
+        forward=True,
     )
-    worker_timeout: float = field(
-        default=60.0,
-        metadata={
-            "help": "seconds model_svc has to answer one forward call (tried twice) before it "
-            "counts as dead (a worker that exits is noticed at once)",
-            "group": FAULTS,
-            "forward": True,
-        },
+    worker_timeout: float = setting(
+        60.0,
+        "seconds model_svc has to answer one forward call (tried twice) before it counts as "
+        "dead (a worker that exits is noticed at once)",
+        group=FAULTS,
+        forward=True,
     )
-    recovery_timeout: float = field(
-        default=120.0,
-        metadata={
-            "help": "how long to wait for a dead memsvc or model_svc to come back before "
-            "failing the live requests",
-            "group": FAULTS,
-            "forward": True,
-        },
+    recovery_timeout: float = setting(
+        120.0,
+        "how long to wait for a dead memsvc or model_svc to come back before failing the "
+        "live requests",
+        group=FAULTS,
+        forward=True,
     )
-    memsvc_session_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "keep our memsvc session id here; a restarted scheduler ends the session "
-            "its dead predecessor left, so memsvc reclaims that KV at once",
-            "group": FAULTS,
-        },
+    memsvc_session_file: str | None = setting(
+        None,
+        "keep our memsvc session id here; a restarted scheduler ends the session its dead "
+        "predecessor left, so memsvc reclaims that KV at once",
+        group=FAULTS,
     )
 
     def scheduler_config(self, page_size: int, memsvc_rows: int) -> SchedulerConfig:

@@ -81,6 +81,12 @@ ENV_FIELDS: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 
 
+def _knob(default: Any, help: str) -> Any:
+    """A field that is a flag of scheduler_svc, which ``kvstack serve`` / ``up`` forward. Its
+    metadata is plain data (:mod:`memsvc.settings` reads it; the core imports nothing)."""
+    return field(default=default, metadata={"help": help, "forward": True})
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Admission, ratio and retract settings of one scheduler.
@@ -92,89 +98,54 @@ class SchedulerConfig:
     page_size: int
     max_running_requests: int
     # The fields with a "help" are scheduler_svc's flags (memsvc.settings reads them).
-    max_prefill_tokens: int = field(
-        default=16384,
-        metadata={"help": "most tokens one prefill batch computes", "forward": True},
+    max_prefill_tokens: int = _knob(16384, "most tokens one prefill batch computes")
+    chunked_prefill_size: int | None = _knob(
+        None, "split long prompts into chunks of this many tokens (default: off)"
     )
-    chunked_prefill_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "split long prompts into chunks of this many tokens (default: off)",
-            "forward": True,
-        },
+    schedule_conservativeness: float = _knob(
+        1.0, "scales the initial new_token_ratio (higher: admit fewer)"
     )
-    schedule_conservativeness: float = field(
-        default=1.0,
-        metadata={
-            "help": "scales the initial new_token_ratio (higher: admit fewer)",
-            "forward": True,
-        },
+    retraction_policy: RetractionPolicy = _knob(  # noqa: RUF009 (a field)
+        RetractionPolicy.LENGTH,
+        "victim order: fewest outputs first (length, SGLang's), lowest priority "
+        "(priority), or cheapest to bring back first by the retract cost model under "
+        "--retract-mode (cost: re-prefill seconds, or KV copy seconds when offloading)",
     )
-    retraction_policy: RetractionPolicy = field(
-        default=RetractionPolicy.LENGTH,
-        metadata={
-            "help": "victim order: fewest outputs first (length, SGLang's), lowest priority "
-            "(priority), or cheapest to bring back first by the retract cost model under "
-            "--retract-mode (cost: re-prefill seconds, or KV copy seconds when offloading)",
-            "forward": True,
-        },
+    enable_priority_scheduling: bool = _knob(
+        False, "honour request priorities (needed by --retraction-policy priority)"
     )
-    enable_priority_scheduling: bool = field(
-        default=False,
-        metadata={
-            "help": "honour request priorities (needed by --retraction-policy priority)",
-            "forward": True,
-        },
-    )
-    schedule_low_priority_values_first: bool = field(
-        default=False,
-        metadata={"help": "a lower priority value is more important", "forward": True},
+    schedule_low_priority_values_first: bool = _knob(
+        False, "a lower priority value is more important"
     )
     speculative: bool = False
-    retract_mode: RetractMode = field(
-        default=RetractMode.RECOMPUTE,
-        metadata={
-            "help": "what a retracted request's KV becomes (normal mode): dropped and "
-            "re-prefilled (SGLang), parked in memsvc's host store and loaded back, or per "
-            "victim the cheaper of the two by a cost model learned online. A decode node "
-            "always offloads",
-            "forward": True,
-        },
+    retract_mode: RetractMode = _knob(  # noqa: RUF009 (a field)
+        RetractMode.RECOMPUTE,
+        "what a retracted request's KV becomes (normal mode): dropped and "
+        "re-prefilled (SGLang), parked in memsvc's host store and loaded back, or per "
+        "victim the cheaper of the two by a cost model learned online. A decode node "
+        "always offloads",
     )
     # PD decode node: tokens reserved per active request at preallocation (SGLang's 512).
-    num_reserved_decode_tokens: int = field(
-        default=512,
-        metadata={
-            "help": "decode node: tokens reserved per active request when preallocating",
-            "forward": True,
-        },
+    num_reserved_decode_tokens: int = _knob(
+        512, "decode node: tokens reserved per active request when preallocating"
     )
-    pd_retract_fallback: PdRetractFallback = field(
-        default=PdRetractFallback.ABORT,
-        metadata={
-            "help": "decode node: a victim the host store cannot take is aborted (SGLang) or "
-            "re-prefilled through the prefill node",
-            "forward": True,
-        },
+    pd_retract_fallback: PdRetractFallback = _knob(  # noqa: RUF009 (a field)
+        PdRetractFallback.ABORT,
+        "decode node: a victim the host store cannot take is aborted (SGLang) or "
+        "re-prefilled through the prefill node",
     )
     # Thrash guard: a request re-admitted after a retract is not a victim again for this
     # many forward passes unless nothing else can be (0: off, as in SGLang).
-    retract_cooldown_steps: int = field(
-        default=0,
-        metadata={
-            "help": "thrash guard: a request re-admitted after a retract is not a victim again "
-            "for this many forward passes unless nothing else can be (0: off, as in SGLang)",
-            "forward": True,
-        },
+    retract_cooldown_steps: int = _knob(
+        0,
+        "thrash guard: a request re-admitted after a retract is not a victim again "
+        "for this many forward passes unless nothing else can be (0: off, as in SGLang)",
     )
-    readmit_charge: ReadmitCharge = field(
-        default=ReadmitCharge.REMAINING,
-        metadata={
-            "help": "what re-admitting a retracted request reserves for its output: what it has "
-            "left to generate, or its whole max_new_tokens again (SGLang); either way it is "
-            "admitted if what it has left fits",
-            "forward": True,
-        },
+    readmit_charge: ReadmitCharge = _knob(  # noqa: RUF009 (a field)
+        ReadmitCharge.REMAINING,
+        "what re-admitting a retracted request reserves for its output: what it has "
+        "left to generate, or its whole max_new_tokens again (SGLang); either way it is "
+        "admitted if what it has left fits",
     )
     # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
     init_new_token_ratio: float = 0.7

@@ -46,7 +46,7 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -63,7 +63,7 @@ from memsvc.server import (
     remove_endpoint,
     serve_tasks,
 )
-from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args
+from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args, setting
 from scheduler_svc import protocol as p
 from scheduler_svc.engine import _seed_from_rid
 from scheduler_svc.pd.flight import (
@@ -480,22 +480,16 @@ class Router:
 class RouterConfig:
     """The router's settings; its flags are declared here (:mod:`memsvc.settings`)."""
 
-    prefill: str = field(metadata={"help": "the prefill scheduler's address"})
-    decode: str = field(metadata={"help": "the decode scheduler's address"})
-    prefill_timeout: float = field(
-        default=10.0,
-        metadata={
-            "help": "seconds of silence from the prefill scheduler before its requests fail",
-            "forward": True,
-        },
+    prefill: str = setting(help="the prefill scheduler's address")
+    decode: str = setting(help="the decode scheduler's address")
+    prefill_timeout: float = setting(
+        10.0, "seconds of silence from the prefill scheduler before its requests fail", forward=True
     )
-    stall_timeout: float = field(
-        default=STALL_TIMEOUT_S,
-        metadata={
-            "help": "seconds in which no node with queued work makes progress before the "
-            "router's info (and so `kvstack status` and GET /health) calls the stack wedged",
-            "forward": True,
-        },
+    stall_timeout: float = setting(
+        STALL_TIMEOUT_S,
+        "seconds in which no node with queued work makes progress before the router's info "
+        "(and so `kvstack status` and GET /health) calls the stack wedged",
+        forward=True,
     )
 
 
