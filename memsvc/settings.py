@@ -338,7 +338,9 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> N
     """
     if "--config" not in parser._option_string_actions:
         return
-    finder = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    # Only --config, abbreviations too (as argparse takes ``--conf FILE``); the rest of
+    # argv is left for the real parse.
+    finder = argparse.ArgumentParser(prog=parser.prog, add_help=False)
     finder.add_argument("--config", default=None)
     path = finder.parse_known_args(list(argv))[0].config
     if path is None:
@@ -415,8 +417,3 @@ def _config_scalar(action: argparse.Action, value: Any) -> Any:
 
 def _type_name(action: argparse.Action) -> str:
     return getattr(action.type, "__name__", "str") if action.type else "str"
-
-
-def iter_dests(cls: type) -> Iterator[str]:
-    """The argparse ``dest`` of every flag of ``cls``."""
-    return (flag.dest for flag in flags(cls))

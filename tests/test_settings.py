@@ -234,3 +234,11 @@ def test_transfer_backend_is_one_enum() -> None:
     assert TRANSFER_BACKENDS == ("nixl", "zmq")
     assert TransferBackend.ZMQ.resolve() is TransferBackend.ZMQ
     assert TransferBackend.AUTO.resolve() in (TransferBackend.NIXL, TransferBackend.ZMQ)
+
+
+def test_an_abbreviated_config_flag_is_read_too(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("count: 9\n")
+    for config in (["--conf", str(path)], [f"--config={path}"]):
+        args = parse_args(parser_for(Outer), ["--name", "n", *config, "--fast"])
+        assert from_args(Outer, args).count == 9
