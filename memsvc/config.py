@@ -43,7 +43,8 @@ LAYOUT_FLAGS = {
         "default": "float32",
     },
     "max_running_requests": {
-        "help": "req_to_token rows (requests holding KV at once)",
+        "help": "requests holding KV at once (req_to_token rows; the scheduler runs at most "
+        "as many)",
         "default": 256,
         "forward": True,
     },
@@ -91,7 +92,8 @@ class MemsvcConfig:
     device: int = setting(0, "GPU index for --backend cuda", group=MEMORY)
     host_store_bytes: int | None = setting(
         None,
-        "CPU RAM for offloaded KV (default: the size of the KV pool)",
+        "CPU RAM for offloaded (retracted) KV, in bytes (default: the size of the KV pool)",
+        metavar="BYTES",
         group=MEMORY,
         forward=True,
     )

@@ -40,6 +40,7 @@ class HiCacheConfig:
             "help": "host tier size in GB (1e9 bytes); > 0 overrides --hicache-ratio",
             "type": float,
             "scale": 1e9,
+            "metavar": "GB",
             "forward": True,
         },
     )
@@ -80,6 +81,7 @@ class HiCacheConfig:
             "help": "storage tier cap in GB (1e9 bytes); 0: 4 x the host tier",
             "type": float,
             "scale": 1e9,
+            "metavar": "GB",
             "forward": True,
         },
     )
