@@ -28,7 +28,6 @@ from model_svc.errors import InvalidBatchError, ModelSvcError
 from model_svc.model import ExtendItem, LlamaModel
 from model_svc.sampling import (
     GREEDY,
-    SamplingParams,
     sample,
     sampling_logprobs,
     suppressed,
@@ -210,27 +209,16 @@ class ModelService:
             raise InvalidBatchError(f"next_token_ids must be -1 or in 0..{vocab - 1}")
         return np.minimum(msg.logprob_starts, num_tokens).tolist()
 
-    def _sampling(self, specs: list[p.SamplingSpec] | None, count: int) -> list[SamplingParams]:
+    def _sampling(self, specs: list[p.SamplingSpec] | None, count: int) -> list[p.SamplingSpec]:
+        """One spec per request, as the wire gave them (the sampler takes them as they are)."""
         if specs is None:
             return [GREEDY] * count
         if len(specs) != count:
             raise InvalidBatchError(f"{len(specs)} sampling specs for {count} requests")
-        return [
-            SamplingParams(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k or None,
-                seed=s.seed,
-                logprobs=s.logprobs,
-                min_p=s.min_p,
-                top_logprobs_num=s.top_logprobs_num,
-                suppress_token_ids=tuple(s.suppress_token_ids),
-            )
-            for s in specs
-        ]
+        return specs
 
     def _sampled(
-        self, logits: Any, sampling: list[SamplingParams], positions: np.ndarray
+        self, logits: Any, sampling: list[p.SamplingSpec], positions: np.ndarray
     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         result = sample(logits, sampling, positions.tolist())
         self.counters["forward_passes"] += 1
@@ -253,7 +241,7 @@ INPUT_LOGITS_BLOCK = 256  # prompt positions turned into logits at a time
 
 
 def _input_logprobs(
-    model: LlamaModel, span: Any, following: Any, after: int, param: SamplingParams
+    model: LlamaModel, span: Any, following: Any, after: int, param: p.SamplingSpec
 ) -> dict[str, Any] | None:
     """One request's input logprobs: each position of ``span`` (hidden states
     ``[m, hidden]``) scores the token after it (``following``, then ``after``); of

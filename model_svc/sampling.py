@@ -21,51 +21,26 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from pydantic import Field
 
-from model_svc.protocol import SAMPLING_EPS
+from model_svc.protocol import SamplingSpec
 
 _MASK64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """``temperature`` below :data:`SAMPLING_EPS` (0 included) is greedy; ``top_k=None``
-    and ``top_p=1`` keep every token.
-
-    ``seed=None`` draws as seed 0: the caller gives each request its own
-    seed (e.g. :func:`seed_from_rid`) so that equal prompts can differ.
+class SamplingParams(SamplingSpec):
+    """A :class:`SamplingSpec` made in process (tests, tools), with the sampler's own
+    bounds where they are looser than the wire's: any finite temperature >= 0, any
+    top_p in (0, 1] (the sampler keeps the top token when float32 rounds it to 0);
+    ``top_k`` None for "no cut", else at least 1 (the wire's 0). The sampler takes both.
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    min_p: float = 0.0
-    top_logprobs_num: int = 0
-    suppress_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS or self.top_k == 1
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
 
 
 class SampleResult(NamedTuple):
@@ -79,11 +54,11 @@ class SampleResult(NamedTuple):
 TopLogprobs = list[tuple[list[float], list[int]] | None]
 
 
-GREEDY = SamplingParams()
+GREEDY = SamplingSpec()
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingSpec], positions: Sequence[int]
 ) -> SampleResult:
     """One token per row of ``logits [n, vocab]``.
 
@@ -103,7 +78,7 @@ def sample(
     return SampleResult(token_ids, logprobs)
 
 
-def suppressed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def suppressed(logits: torch.Tensor, params: Sequence[SamplingSpec]) -> torch.Tensor:
     """``logits`` with each row's ``suppress_token_ids`` at -inf (a copy if any)."""
     if not any(param.suppress_token_ids for param in params):
         return logits
@@ -116,7 +91,7 @@ def suppressed(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.
     return logits
 
 
-def sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, params: Sequence[SamplingSpec]) -> torch.Tensor:
     """Log-softmax of each row as it is sampled: raw if greedy, else over the temperature."""
     scale = torch.tensor(
         [1.0 if p.is_greedy else p.temperature for p in params], dtype=logits.dtype
@@ -141,13 +116,13 @@ def top_logprobs(logprobs: torch.Tensor, nums: Sequence[int]) -> TopLogprobs:
     return top
 
 
-def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
+def _draw(row: torch.Tensor, param: SamplingSpec, position: int) -> int:
     """Sample from one row: scale, keep the top-k, the top-p nucleus, the min-p share, draw."""
     # NaN sorts above everything: make it the least likely token instead.
     scaled = torch.nan_to_num(row.cpu(), nan=-math.inf) / param.temperature
     # stable: equal logits keep vocabulary order, so the draw is reproducible
     sorted_logits, order = scaled.sort(descending=True, stable=True)
-    if param.top_k is not None:
+    if param.top_k:  # 0 (the wire's) or None: no cut
         sorted_logits, order = sorted_logits[: param.top_k], order[: param.top_k]
     probs = torch.softmax(sorted_logits, dim=-1)
     if param.top_p < 1:
@@ -162,7 +137,7 @@ def _draw(row: torch.Tensor, param: SamplingParams, position: int) -> int:
         probs, order = probs[keep], order[keep]
     if not _drawable(probs):
         return int(order[0])  # no distribution to draw from: the most likely token
-    generator = torch.Generator().manual_seed(draw_seed(param.seed or 0, position))
+    generator = torch.Generator().manual_seed(draw_seed(param.seed, position))
     choice = torch.multinomial(probs, 1, generator=generator)
     return int(order[choice])
 

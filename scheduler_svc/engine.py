@@ -706,15 +706,10 @@ class Engine:
         self.waiting.extend([*reqs, *rest])
 
     def _sampling(self, req: Req) -> dict[str, Any]:
-        params = req.sampling_params
-        spec = {
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": max(params.top_k, 0),
-            "seed": params.seed if params.seed is not None else _seed_from_rid(req.rid),
-        }
-        if params.min_p:
-            spec["min_p"] = params.min_p
+        """The worker's ``SamplingSpec`` for ``req``'s next token: its record's ``draw``
+        as it came (a seed of 0 or none: one from the rid), and what this step decides."""
+        draw = req.sampling_params.draw
+        spec = {**draw, "seed": draw.get("seed") or _seed_from_rid(req.rid)}
         if req.return_logprob:
             spec["logprobs"] = True
             spec["top_logprobs_num"] = req.top_logprobs_num

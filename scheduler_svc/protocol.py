@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import Field, TypeAdapter, model_validator
 
 from memsvc import protocol as wire
 from memsvc.limits import MessageLimit
 from memsvc.protocol import IntArray, Message
-from model_svc.protocol import MinP, Temperature, TopP
+from model_svc.protocol import Sampling
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -64,8 +64,9 @@ Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
 
 
-class GenSampling(BaseModel):
-    """SGLang's ``sampling_params`` subset kvstack honours.
+class GenSampling(Sampling):
+    """SGLang's ``sampling_params`` subset kvstack honours: how each token is drawn
+    (:class:`model_svc.protocol.Sampling`, the worker's schema) and the request's limits.
 
     ``stop``: generation ends once the decoded output contains one of these
     strings (finish_reason ``{"type": "stop", "matched": "<it>"}``); the
@@ -73,10 +74,8 @@ class GenSampling(BaseModel):
     ``no_stop_trim``. ``min_new_tokens``: EOS and ``stop_token_ids`` cannot be
     sampled before that many tokens (SGLang masks them). ``min_p``: tokens less
     likely than ``min_p`` times the most likely one are not drawn.
-    ``skip_special_tokens``: how ``text`` is decoded.
+    ``skip_special_tokens``: how ``text`` is decoded. ``seed`` 0: one drawn from the rid.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_new_tokens: int = Field(default=128, ge=0, le=1 << 20)
     min_new_tokens: int = Field(default=0, ge=0, le=1 << 20)
@@ -85,11 +84,6 @@ class GenSampling(BaseModel):
     stop_token_ids: list[Int64] = Field(default_factory=list, max_length=64)
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
-    temperature: Temperature = 0.0  # below SGLang's _SAMPLING_EPS: greedy
-    top_p: TopP = 1.0
-    top_k: int = Field(default=0, ge=0, lt=2**63)
-    min_p: MinP = 0.0
-    seed: int = Field(default=0, ge=0, lt=2**63)
 
 
 ClientId = Annotated[str, Field(min_length=1, max_length=64)]

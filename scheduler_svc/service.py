@@ -296,19 +296,10 @@ class SchedulerService:
         req = Req(
             msg.rid,
             input_ids,
-            SamplingParams(
+            SamplingParams.of(
+                sampling.model_dump(),
                 max_new_tokens=1 if scoring else max_new,
                 ignore_eos=sampling.ignore_eos or scoring,
-                stop_token_ids=frozenset(sampling.stop_token_ids),
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k or -1,
-                seed=sampling.seed or None,
-                min_new_tokens=sampling.min_new_tokens,
-                stop_strs=tuple(sampling.stop),
-                no_stop_trim=sampling.no_stop_trim,
-                skip_special_tokens=sampling.skip_special_tokens,
-                min_p=sampling.min_p,
             ),
             priority=msg.priority,
             bootstrap_room=msg.bootstrap_room,

@@ -229,7 +229,7 @@ class Simulation:
         self.stop_lens[spec.rid] = (
             spec.input_len + spec.output_len if spec.output_len < max_new else -1
         )
-        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, seed=0)
+        params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0, "seed": 0})
         self.engine.submit(Req(spec.rid, prompt, params, arrival_time=spec.arrival))
 
     def _emit(self, req: Req, finished: bool) -> None:

@@ -25,8 +25,8 @@ written by the next decode step, which is why it opens a new page when
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any
 
@@ -78,28 +78,44 @@ TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """A request's sampling record as the core keeps it: the limits the core enforces
+    (length, stops, how the text is decoded) and, as ``draw``, how each token is drawn.
+
+    ``draw`` holds the wire's other sampling fields (``temperature``, ``top_p``...)
+    by name; the core never reads it, the engine sends it to the worker. Empty:
+    greedy. :meth:`of` splits a wire record into the two.
+    """
+
     max_new_tokens: int = 128
     ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
     min_new_tokens: int = 0  # EOS / stop ids are masked out before this many tokens
-    stop_strs: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
-    min_p: float = 0.0
+    draw: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
-        object.__setattr__(self, "stop_strs", tuple(self.stop_strs))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any], **decided: Any) -> SamplingParams:
+        """From a wire record's fields: those named as this class's fields (``decided``
+        overriding them), and every other one into ``draw``."""
+        own = _LIMITS.intersection(record)
+        limits = {name: record[name] for name in own}
+        draw = {name: value for name, value in record.items() if name not in own}
+        return cls(**{**limits, **decided}, draw=draw)
 
     @property
     def stop_str_max_len(self) -> int:
-        return max(map(len, self.stop_strs), default=0)
+        return max(map(len, self.stop), default=0)
+
+
+_LIMITS = frozenset(f.name for f in fields(SamplingParams)) - {"draw"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,10 +500,10 @@ class Req:
         """The first of ``stop`` in the decoded tail of the output (SGLang's tail check:
         as many tokens as the longest stop string has characters, plus one)."""
         params = self.sampling_params
-        if not params.stop_strs or self.stop_decoder is None:
+        if not params.stop or self.stop_decoder is None:
             return None
         tail = self.stop_decoder(self.output_ids[-(params.stop_str_max_len + 1) :])
-        return next((stop for stop in params.stop_strs if stop in tail), None)
+        return next((stop for stop in params.stop if stop in tail), None)
 
     def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> list[int]:
         """What the next token may not be: EOS and the stop ids, before ``min_new_tokens``."""

@@ -72,7 +72,7 @@ class Rig:
             self.done[req.rid] = req
 
     def submit(self, rid: str, prompt: list[int], max_new: int = 10) -> None:
-        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}, ignore_eos=True)
         self.engine.submit(Req(rid, prompt, params))
 
     async def step(self) -> bool:
@@ -240,7 +240,7 @@ def _pd_engine(cls):
 
 
 def _pd_req(engine, rid: str, prompt: list[int], room: int, max_new: int = 10) -> Req:
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}, ignore_eos=True)
     req = Req(rid, prompt, params, bootstrap_room=room)
     engine.reqs[rid] = req
     return req

@@ -80,7 +80,7 @@ class DecodeNode:
 
     def submit(self, rid: str, prompt: list[int], max_new: int) -> Req:
         """A request whose prefill (on the prefill node) sampled ``next_token`` of its prompt."""
-        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}))
         req.bootstrap_room, self._next_room = self._next_room, self._next_room + 1
         self.mem.first_tokens[rid] = next_token(prompt[-1], len(prompt) - 1)
         self.reqs[rid] = req

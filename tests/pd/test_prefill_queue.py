@@ -45,7 +45,7 @@ def service() -> Iterator[MemService]:
 
 
 def _req(rid: str, prompt_len: int, room: int) -> Req:
-    params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
     return Req(rid, [7] * prompt_len, params, bootstrap_room=room)
 
 

@@ -53,7 +53,7 @@ class Harness:
             self.done[req.rid] = req
 
     def submit(self, rid: str, prompt: list[int], max_new: int) -> Req:
-        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0))
+        req = Req(rid, prompt, SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}))
         self.engine.submit(req)
         return req
 

@@ -106,7 +106,7 @@ def logprob_req(rid: str, prompt: list[int], max_new: int, start: int, top: int 
     return Req(
         rid,
         prompt,
-        SamplingParams(max_new_tokens=max_new, temperature=0.0),
+        SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}),
         return_logprob=True,
         logprob_start_len=len(prompt) if start < 0 else start,
         top_logprobs_num=top,
@@ -155,12 +155,14 @@ def test_the_prefix_match_stops_at_logprob_start_len(service) -> None:
     async def scenario() -> None:
         engine, done, model = await start(service)
         prompt = list(range(1, 26))
-        plain = Req("warm", prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
+        plain = Req("warm", prompt, SamplingParams(max_new_tokens=2, draw={"temperature": 0.0}))
         engine.submit(plain)
         await run_idle(engine)
         assert done["warm"].cached_tokens == 0
         # The tree holds the prompt now: a plain request hits it ...
-        engine.submit(Req("hit", prompt, SamplingParams(max_new_tokens=2, temperature=0.0)))
+        engine.submit(
+            Req("hit", prompt, SamplingParams(max_new_tokens=2, draw={"temperature": 0.0}))
+        )
         await run_idle(engine)
         assert done["hit"].cached_tokens == 24
         # ... one asking for the prompt's logprobs from 0 recomputes it all ...
@@ -192,7 +194,9 @@ def test_the_prefix_match_stops_at_logprob_start_len(service) -> None:
 def test_without_return_logprob_nothing_is_asked_or_kept(service) -> None:
     async def scenario() -> None:
         engine, done, model = await start(service)
-        engine.submit(Req("r", [3] * 9, SamplingParams(max_new_tokens=4, temperature=0.0)))
+        engine.submit(
+            Req("r", [3] * 9, SamplingParams(max_new_tokens=4, draw={"temperature": 0.0}))
+        )
         await run_idle(engine)
         assert model.input_positions == []
         assert done["r"].logprob.output_vals == [] and done["r"].logprob.input_vals == []

@@ -38,14 +38,14 @@ def text_of(req: Req) -> str:
 
 
 def test_a_stop_string_across_tokens_finishes_at_its_last_byte() -> None:
-    req = running(SamplingParams(max_new_tokens=50, stop_strs=("lo w", "zz")))
+    req = running(SamplingParams(max_new_tokens=50, stop=("lo w", "zz")))
     assert feed(req, "hello world") == 7
     assert req.finish_reason.to_json() == {"type": "stop", "matched": "lo w"}
     assert text_of(req) == "hel"
 
 
 def test_no_stop_trim_keeps_the_stop_string_and_the_stop_token() -> None:
-    req = running(SamplingParams(max_new_tokens=50, stop_strs=("or",), no_stop_trim=True))
+    req = running(SamplingParams(max_new_tokens=50, stop=("or",), no_stop_trim=True))
     feed(req, "hello world")
     assert text_of(req) == "hello wor"
     req = running(SamplingParams(max_new_tokens=50, stop_token_ids=frozenset({ord("w")})))

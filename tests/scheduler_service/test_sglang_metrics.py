@@ -92,7 +92,9 @@ def value(families: dict, name: str, labels: dict[str, str] = LABELS) -> float:
 
 
 def submit(engine: Engine, rid: str, prompt: list[int], max_new: int) -> None:
-    engine.submit(Req(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0)))
+    engine.submit(
+        Req(rid, prompt, SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0}))
+    )
 
 
 async def run_idle(engine: Engine) -> None:

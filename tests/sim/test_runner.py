@@ -227,7 +227,7 @@ async def run_on_harness(spec: SimSpec, workload: list[RequestSpec], seed: int):
         )
         for r in workload:
             max_new = clamp_max_new_tokens(r.input_len, r.max_new_tokens, pool.capacity, 4)
-            params = SamplingParams(max_new_tokens=max_new, temperature=0.0, seed=0)
+            params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0, "seed": 0})
             engine.submit(Req(r.rid, prompt_tokens(r, seed), params))
         for _ in range(100_000):
             if not await engine.step() and engine.idle:
