@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,11 @@ def _result(header: dict[str, Any]) -> Any:
     return header
 
 
-class ModelClient(_Ops):
+class _Transport(_Ops):
+    """The socket and the op ids both clients keep; each sends and awaits its own way."""
+
+    _new_context: Callable[[], zmq.Context] = zmq.Context
+
     def __init__(
         self,
         address: str,
@@ -128,22 +132,35 @@ class ModelClient(_Ops):
         curve: CurveClientKeys | None = None,
     ) -> None:
         self.address, self.timeout_s, self.retries = address, timeout_s, retries
-        self._ctx = zmq.Context()
+        self._ctx = self._new_context()
         self._sock = rpc.dealer(self._ctx, address, curve)
         self._op_ids = itertools.count(1)
 
-    def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
+    def _frames(
+        self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None
+    ) -> tuple[int, list[bytes]]:
         op_id = next(self._op_ids)
-        frames = wire.pack({**header, "op_id": op_id}, arrays)
+        return op_id, wire.pack({**header, "op_id": op_id}, arrays)
+
+    def _dead(self, exc: rpc.NoReplyError) -> PeerDeadError:
+        return PeerDeadError(f"model_svc at {self.address}: {exc}")
+
+    def _close_socket(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class ModelClient(_Transport):
+    def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
+        op_id, frames = self._frames(header, arrays)
         try:
             reply = rpc.request(self._sock, frames, op_id, self.timeout_s, self.retries)
         except rpc.NoReplyError as exc:
-            raise PeerDeadError(f"model_svc at {self.address}: {exc}") from None
+            raise self._dead(exc) from None
         return _result(reply)
 
     def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+        self._close_socket()
 
     def __enter__(self) -> ModelClient:
         return self
@@ -152,36 +169,27 @@ class ModelClient(_Ops):
         self.close()
 
 
-class AsyncModelClient(_Ops):
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float = 60.0,
-        retries: int = 1,
-        curve: CurveClientKeys | None = None,
-    ) -> None:
-        self.address, self.timeout_s, self.retries = address, timeout_s, retries
-        self._ctx = zmq.asyncio.Context()
-        self._sock = rpc.dealer(self._ctx, address, curve)
-        self._op_ids = itertools.count(1)
+class AsyncModelClient(_Transport):
+    _new_context = zmq.asyncio.Context
+
+    def __init__(self, address: str, **options: Any) -> None:
+        """``options``: as :class:`ModelClient`'s."""
+        super().__init__(address, **options)
         self._lock = asyncio.Lock()
 
     async def _invoke(self, header: dict[str, Any], arrays: dict[str, np.ndarray] | None) -> Any:
-        op_id = next(self._op_ids)
-        frames = wire.pack({**header, "op_id": op_id}, arrays)
+        op_id, frames = self._frames(header, arrays)
         async with self._lock:
             try:
                 reply = await rpc.request_async(
                     self._sock, frames, op_id, self.timeout_s, self.retries
                 )
             except rpc.NoReplyError as exc:
-                raise PeerDeadError(f"model_svc at {self.address}: {exc}") from None
+                raise self._dead(exc) from None
         return _result(reply)
 
     async def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+        self._close_socket()
 
     async def __aenter__(self) -> AsyncModelClient:
         return self
