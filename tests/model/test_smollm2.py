@@ -51,10 +51,9 @@ from model_svc.gguf_convert import (
     TOKENIZER_CONFIG_FILE,
     GGUFConvertError,
     convert_gguf,
-    hf_tensor_name,
     is_converted,
-    unpermute_rope_rows,
 )
+from model_svc.gguf_reader import hf_tensor_name, unpermute_rope_rows
 from model_svc.model import LlamaModel
 from model_svc.tiny import tiny_config, tiny_state_dict
 from model_svc.tokenizer import HFTokenizer, load_tokenizer
