@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -212,8 +213,11 @@ class MemClientBase(_Ops):
         return attach_handle(self._state.handle)
 
 
-class MemClient(MemClientBase):
-    """Blocking client. ``with MemClient(addr) as mem: mem.alloc_row("r1")``."""
+class _SocketClient(MemClientBase):
+    """A client over a ZMQ socket: its session, context and socket, set up alike for
+    the blocking and the asyncio client."""
+
+    _new_context: Callable[[], zmq.Context] = zmq.Context
 
     def __init__(
         self,
@@ -228,8 +232,18 @@ class MemClient(MemClientBase):
         curve: CurveClientKeys | None = None,
     ) -> None:
         self._state = ClientSession(address, role, name, lease_s, timeout_s, retries, curve)
-        self._ctx = zmq.Context()
+        self._want_heartbeat = heartbeat
+        self._ctx = self._new_context()
         self._sock = self._state.new_socket(self._ctx)
+
+
+class MemClient(_SocketClient):
+    """Blocking client. ``with MemClient(addr) as mem: mem.alloc_row("r1")``."""
+
+    def __init__(self, address: str, **options: Any) -> None:
+        """``options``: ``role``, ``name``, ``lease_s``, ``timeout_s``, ``retries``,
+        ``heartbeat`` and ``curve`` (see :class:`_SocketClient`)."""
+        super().__init__(address, **options)
         self._requester = rpc.Requester(self._sock)
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -238,7 +252,7 @@ class MemClient(MemClientBase):
         except BaseException:
             self.close()
             raise
-        if heartbeat:
+        if self._want_heartbeat:
             self._heartbeat_thread = threading.Thread(
                 target=self._heartbeat_loop, name="memsvc-heartbeat", daemon=True
             )
@@ -292,26 +306,15 @@ class MemClient(MemClientBase):
         self.close()
 
 
-class AsyncMemClient(MemClientBase):
+class AsyncMemClient(_SocketClient):
     """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        role: str = "scheduler",
-        name: str = "",
-        lease_s: float = 10.0,
-        timeout_s: float = 5.0,
-        retries: int = 2,
-        heartbeat: bool = True,
-        curve: CurveClientKeys | None = None,
-    ) -> None:
-        self._state = ClientSession(address, role, name, lease_s, timeout_s, retries, curve)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._state.new_socket(self._ctx)
+    _new_context = zmq.asyncio.Context
+
+    def __init__(self, address: str, **options: Any) -> None:
+        """``options``: as :class:`MemClient`'s."""
+        super().__init__(address, **options)
         self._lock = asyncio.Lock()
-        self._want_heartbeat = heartbeat
         self._heartbeat_task: asyncio.Task | None = None
 
     @classmethod
