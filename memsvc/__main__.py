@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics_server = None
     try:
         registry = None
-        metrics_port = config.metrics_port
+        metrics_port = config.metrics.port
         if metrics_port is not None:
             from prometheus_client import CollectorRegistry, start_http_server
 

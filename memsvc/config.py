@@ -75,6 +75,22 @@ SERVICE_FLAGS = {
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """``--metrics-port`` / ``--metrics-host``: memsvc's and the scheduler's Prometheus."""
+
+    port: int | None = setting(
+        None,
+        "serve Prometheus metrics on --metrics-host:PORT (0: any free port)",
+        flag="--metrics-port",
+    )
+    host: str = setting(
+        "127.0.0.1",
+        "address the metrics server binds (non-loopback needs --allow-remote)",
+        flag="--metrics-host",
+    )
+
+
+@dataclass(frozen=True)
 class MemsvcConfig:
     layout: PoolLayout = field(metadata={"part": PoolLayout, "group": POOL, "fields": LAYOUT_FLAGS})
     disable_radix_cache: bool = setting(
@@ -153,13 +169,9 @@ class MemsvcConfig:
     reap_interval: float = setting(
         0.25, "seconds between checks for expired session leases", group=SERVICE
     )
-    metrics_port: int | None = setting(
-        None, "serve Prometheus metrics on --metrics-host:PORT (0: any free port)", group=SERVICE
-    )
-    metrics_host: str = setting(
-        "127.0.0.1",
-        "address the metrics server binds (non-loopback needs --allow-remote)",
-        group=SERVICE,
+    metrics: MetricsConfig = field(
+        default_factory=MetricsConfig,
+        metadata={"part": MetricsConfig, "group": SERVICE},
     )
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ async def serve(
             curve=curve.client,
         )
         await recovery.adopt_session()
-        if config.metrics_port is not None:
+        if config.metrics.port is not None:
             from prometheus_client import CollectorRegistry, start_http_server
 
             from scheduler_svc.metrics import register
@@ -114,7 +114,7 @@ async def serve(
                 mode=config.mode,
                 max_context_len=layout.max_context_len,
             )
-            metrics_server, _ = start_http_server(config.metrics_port, metrics_host(args), registry)
+            metrics_server, _ = start_http_server(config.metrics.port, metrics_host(args), registry)
             metrics_port = metrics_server.server_port
         service = SchedulerService(
             engine,

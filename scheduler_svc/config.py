@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsvc.config import MetricsConfig
 from memsvc.settings import setting
 from scheduler_svc.core.config import RetractMode, SchedulerConfig
 from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
@@ -52,12 +53,7 @@ class SchedulerServiceConfig:
         "bytes of finished results (as msgpack) kept to answer a re-submitted rid, and at "
         f"most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is always kept",
     )
-    metrics_port: int | None = setting(
-        None, "serve Prometheus metrics on --metrics-host:PORT (0: any free port)"
-    )
-    metrics_host: str = setting(
-        "127.0.0.1", "address the metrics server binds (non-loopback needs --allow-remote)"
-    )
+    metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata={"part": MetricsConfig})
     memsvc_timeout: float = setting(
         5.0,
         "seconds memsvc has to answer one op (tried 3 times) before it counts as dead",
