@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from memsvc import rpc
 from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
 from scheduler_svc.core import RETRACT_ABORT_MESSAGE
-from tests.procs import REPO, start_stack
+from tests.procs import REPO, Stack, start_stack
 
 PAGE = ["--page-size", "4", "--dtype", "float32", "--max-context-len", "512"]
 BIG_POOL = [*PAGE, "--num-pages", "2048", "--max-running-requests", "32"]
@@ -69,25 +70,52 @@ def assert_idle(stack) -> None:
         mem.check(idle=True)
 
 
-def reference_run(checkpoint: Path, pool: list[str], reqs, **stack_options) -> dict:
-    """``reqs`` through a normal stack of its own (stopped after): the results by rid.
+def reference_runs(checkpoint: Path, pool: list[str], *workloads, **stack_options) -> list:
+    """Each of ``workloads`` in turn through one normal stack of its own (stopped after):
+    the results of each, by rid.
 
-    The stack ends idle (checked). ``stack_options`` go to ``start_normal_stack``.
+    The stack ends each one idle (checked). ``stack_options`` go to ``start_normal_stack``.
     """
+    runs = []
     with tempfile.TemporaryDirectory() as tmp, Launcher(tmp) as up:
         mem, _, sched = up.start_normal_stack(checkpoint, pool, **stack_options)
-        results = run_all(sched.address, reqs)
-        with MemClient(mem.address) as client:
-            client.check(idle=True)
-    return results
+        for reqs in workloads:
+            runs.append(run_all(sched.address, reqs))
+            with MemClient(mem.address) as client:
+                client.check(idle=True)
+    return runs
+
+
+def reference_run(checkpoint: Path, pool: list[str], reqs, **stack_options) -> dict:
+    """``reqs`` through a normal stack of its own (stopped after): the results by rid."""
+    return reference_runs(checkpoint, pool, reqs, **stack_options)[0]
 
 
 @pytest.fixture(scope="module")
-def article(checkpoint) -> dict:
+def big_stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose pool is large enough that nothing is retracted: the module's reference."""
+    with Launcher(tmp_path_factory.mktemp("big")) as up:
+        yield start_stack(up, checkpoint, BIG_POOL, name="-ref")
+    assert not up.leaked_segments
+
+
+@pytest.fixture(scope="module")
+def small_stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack on the 256-token pool, for the tests that only send it bad requests and a
+    few small ones (each ends with it idle)."""
+    with Launcher(tmp_path_factory.mktemp("small")) as up:
+        yield start_stack(up, checkpoint, SMALL_POOL)
+    assert not up.leaked_segments
+
+
+@pytest.fixture(scope="module")
+def article(big_stack: Stack) -> dict:
     """The article's scenario (one request of ~0.85 of a 256-token pool plus shorter
     ones) and its outputs on a pool large enough that nothing is retracted."""
     reqs = workload(seed=1, count=6, long_len=200)
-    return {"reqs": reqs, "results": reference_run(checkpoint, BIG_POOL, reqs)}
+    results = run_all(big_stack.scheduler.address, reqs)
+    assert_idle(big_stack)
+    return {"reqs": reqs, "results": results}
 
 
 def test_article_scenario_retract_is_transparent(launcher, checkpoint, article) -> None:
@@ -132,10 +160,9 @@ def test_offload_retract_with_async_copies_is_transparent(launcher, checkpoint, 
     assert_idle(pressure)
 
 
-def test_churn_under_test_retract(launcher, checkpoint) -> None:
+def test_churn_under_test_retract(launcher, checkpoint, big_stack) -> None:
     reqs = workload(seed=2, count=32)
-    reference = start_stack(launcher, checkpoint, BIG_POOL, name="-ref")
-    want = run_all(reference.scheduler.address, reqs)
+    want = run_all(big_stack.scheduler.address, reqs)
     churn = start_stack(
         launcher,
         checkpoint,
@@ -152,8 +179,8 @@ def test_churn_under_test_retract(launcher, checkpoint) -> None:
     assert_idle(churn)
 
 
-def test_too_big_input_is_rejected_at_once(launcher, checkpoint) -> None:
-    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+def test_too_big_input_is_rejected_at_once(small_stack: Stack) -> None:
+    stack = small_stack
     with GenerateClient(stack.scheduler.address, timeout_s=10) as client:
         with pytest.raises(GenerateError) as info:
             client.generate([1] * 300, sampling={"max_new_tokens": 4})
@@ -165,8 +192,8 @@ def test_too_big_input_is_rejected_at_once(launcher, checkpoint) -> None:
     assert_idle(stack)
 
 
-def test_bad_input_gets_a_clear_error(launcher, checkpoint) -> None:
-    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+def test_bad_input_gets_a_clear_error(small_stack: Stack) -> None:
+    stack = small_stack
     ctx = zmq.Context()
     sock = rpc.dealer(ctx, stack.scheduler.address)
     try:
