@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
+from kvstack.stack.launch import Launcher
 from memsvc import protocol as wire
 from memsvc import rpc
 from scheduler_svc.client import (
@@ -27,7 +30,7 @@ from scheduler_svc.client import (
 )
 from scheduler_svc.protocol import MAX_PROMPT_TOKENS
 from tests.bounds import assert_messages_bounded
-from tests.procs import start_stack
+from tests.procs import Stack, start_stack
 from tests.scheduler_service.test_normal_mode import SMALL_POOL, assert_idle
 
 PROMPT = list(range(3, 20))
@@ -51,8 +54,17 @@ def _generate_all(address: str, jobs: dict[str, dict]) -> dict[str, object]:
     return asyncio.run(go())
 
 
-def test_float32_edge_sampling_fails_alone(launcher, checkpoint) -> None:
-    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+@pytest.fixture(scope="module")
+def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack for the tests below that send it bad requests and check that it goes
+    on serving and ends idle (the bounded-socket test, which measures the scheduler's
+    peak memory, starts its own)."""
+    with Launcher(tmp_path_factory.mktemp("stack")) as up:
+        yield start_stack(up, checkpoint, SMALL_POOL)
+    assert not up.leaked_segments
+
+
+def test_float32_edge_sampling_fails_alone(stack: Stack) -> None:
     address = stack.scheduler.address
     want = _generate_all(address, {"greedy": INNOCENT})["greedy"].output_ids
     ctx = zmq.Context()
@@ -84,8 +96,7 @@ def test_float32_edge_sampling_fails_alone(launcher, checkpoint) -> None:
     assert_idle(stack)
 
 
-def test_a_validation_error_reaches_the_client_at_once(launcher, checkpoint) -> None:
-    stack = start_stack(launcher, checkpoint, SMALL_POOL)
+def test_a_validation_error_reaches_the_client_at_once(stack: Stack) -> None:
     address = stack.scheduler.address
     with GenerateClient(address, timeout_s=3, resubmits=1) as client:
         started = time.monotonic()
@@ -144,11 +155,10 @@ def test_a_message_is_bounded_on_the_scheduler_socket(launcher, checkpoint) -> N
     assert_idle(stack)
 
 
-def test_a_rid_belongs_to_the_client_that_submitted_it(launcher, checkpoint) -> None:
+def test_a_rid_belongs_to_the_client_that_submitted_it(stack: Stack) -> None:
     """Issue 18, defect 6: re-submitting a live rid with the same body took over its
     replies (the owner waited out its timeout), and any client could abort any rid.
     The owner's own re-submission, from a new socket, still gets its result."""
-    stack = start_stack(launcher, checkpoint, SMALL_POOL)
     address = stack.scheduler.address
     sampling = {"max_new_tokens": 200, "ignore_eos": True}
 
