@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,7 +16,7 @@ from memsvc.client import MemClient
 from scheduler_svc.client import GenerateClient, GenerateError
 from tests.scheduler_service.test_normal_mode import (
     finish_ids,
-    reference_run,
+    reference_runs,
     run_all,
     workload,
 )
@@ -29,16 +28,7 @@ PD_SCHEDULER = ["--num-reserved-decode-tokens", "8"]
 PRESSURE = ["--schedule-conservativeness", "0.3"]
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> Iterator[dict]:
-    """Normal-mode outputs of the workload on a pool with no pressure."""
-    reqs = workload(seed=1, count=6, long_len=200)
-    results = reference_run(checkpoint, BIG, reqs)
-    yield {"reqs": reqs, "outputs": finish_ids(results), "results": results}
-
-
-@pytest.fixture(scope="module")
-def growth(checkpoint) -> Iterator[dict]:
+def growth_workload() -> list[tuple[str, list[int], int]]:
     """Requests that each fit the decode pool alone but outgrow it together.
 
     Five prompts of ~50 tokens with 100 new tokens each (152 slots apiece at
@@ -47,11 +37,33 @@ def growth(checkpoint) -> Iterator[dict]:
     and together they need more than the pool, so the decode node retracts.
     """
     rng = random.Random(7)
-    reqs = [
+    return [
         (f"g{i}", [rng.randrange(256) for _ in range(rng.randint(44, 52))], 100) for i in range(5)
     ]
-    results = reference_run(checkpoint, BIG, reqs)
-    yield {"reqs": reqs, "outputs": finish_ids(results)}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoint) -> tuple[dict, dict]:
+    """Normal-mode outputs of the workload and of the growth workload, one after the
+    other on one stack whose pool has no pressure."""
+    reqs, growth_reqs = workload(seed=1, count=6, long_len=200), growth_workload()
+    results, grown = reference_runs(checkpoint, BIG, reqs, growth_reqs)
+    return (
+        {"reqs": reqs, "outputs": finish_ids(results), "results": results},
+        {"reqs": growth_reqs, "outputs": finish_ids(grown)},
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> dict:
+    """Normal-mode outputs of the workload on a pool with no pressure."""
+    return references[0]
+
+
+@pytest.fixture(scope="module")
+def growth(references) -> dict:
+    """Normal-mode outputs of :func:`growth_workload` on a pool with no pressure."""
+    return references[1]
 
 
 def idle_check(*memsvcs) -> None:
