@@ -5,16 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from kvstack.stack.launch import Launcher
 from kvstack.stack.model_pool import pool_layout_args
 from memsvc.client import MemClient
 from model_svc.client import ForwardError, ModelClient
 from model_svc.model import LlamaModel
 from model_svc.reference import generate_dense
-from tests.procs import REPO
+from tests.procs import REPO, SMALL_POOL
 
 POOL_SIZE = [
     "--page-size",
@@ -28,13 +30,16 @@ POOL_SIZE = [
 ]
 
 
-@pytest.fixture
-def stack(memsvc_factory, service_factory, checkpoint):
-    svc = memsvc_factory(*pool_layout_args(checkpoint), *POOL_SIZE)
-    model = service_factory(
-        "model_svc", "--memsvc", svc.address, "--checkpoint", str(checkpoint), "--threads", "1"
-    )
-    return svc, model.address, model.info
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """memsvc and model_svc for the tests below, which each leave the pool idle."""
+    with Launcher(tmp_path_factory.mktemp("stack")) as launcher:
+        svc = launcher.start("memsvc", *SMALL_POOL, *pool_layout_args(checkpoint), *POOL_SIZE)
+        model = launcher.start(
+            "model_svc", "--memsvc", svc.address, "--checkpoint", str(checkpoint), "--threads", "1"
+        )
+        yield svc, model.address, model.info
+    assert not launcher.leaked_segments
 
 
 def generate(
