@@ -7,26 +7,26 @@ the worker's edge too, not turned into NaNs inside a batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import zmq
 
-from kvstack.stack.model_pool import pool_layout_args
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import MemClient
 from model_svc.client import ModelClient
 from tests.bounds import assert_messages_bounded
-from tests.model_service.test_model_svc_process import POOL_SIZE
+from tests.model_service.test_model_svc_process import model_stack
 
 
-@pytest.fixture
-def stack(memsvc_factory, service_factory, checkpoint):
-    svc = memsvc_factory(*pool_layout_args(checkpoint), *POOL_SIZE)
-    model = service_factory(
-        "model_svc", "--memsvc", svc.address, "--checkpoint", str(checkpoint), "--threads", "1"
-    )
-    return svc, model.address
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """One memsvc and model_svc for both tests, each of which checks that the worker still
+    serves and the pool is idle."""
+    with model_stack(checkpoint, tmp_path_factory.mktemp("stack")) as (svc, address, _):
+        yield svc, address
 
 
 def _ask(sock: zmq.Socket, frames: list[bytes]) -> dict:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,16 +32,23 @@ POOL_SIZE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def stack(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """memsvc and model_svc for the tests below, which each leave the pool idle."""
-    with Launcher(tmp_path_factory.mktemp("stack")) as launcher:
+@contextlib.contextmanager
+def model_stack(checkpoint: Path, workdir: Path) -> Iterator[tuple]:
+    """memsvc and model_svc on ``checkpoint``: (memsvc, model_svc's address, its ready info)."""
+    with Launcher(workdir) as launcher:
         svc = launcher.start("memsvc", *SMALL_POOL, *pool_layout_args(checkpoint), *POOL_SIZE)
         model = launcher.start(
             "model_svc", "--memsvc", svc.address, "--checkpoint", str(checkpoint), "--threads", "1"
         )
         yield svc, model.address, model.info
     assert not launcher.leaked_segments
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """One memsvc and model_svc for the tests below, which each leave the pool idle."""
+    with model_stack(checkpoint, tmp_path_factory.mktemp("stack")) as running:
+        yield running
 
 
 def generate(
