@@ -2,8 +2,9 @@
 
 - :mod:`.core`: the pure core: requests and their states, the admission budget
   (``PrefillAdder``), the ``new_token_ratio`` tracker, retract policy and cost; no I/O;
-- :mod:`.engine`: the normal-mode loop over memsvc and model_svc: admit, prefill,
-  check decode memory, retract, decode;
+- :mod:`.engine`: the normal-mode loop over memsvc and model_svc: admit, prefill
+  (``engine.prefill_round``), check decode memory, retract, decode
+  (``engine.decode_round``), and the repairs after a fault (``engine.base``);
 - :mod:`.pd`: the PD prefill and decode engines, and the router in front of them;
 - :mod:`.service`, :mod:`.protocol`, :mod:`.client`: the generate API, its wire
   messages and its sync / async clients;

@@ -69,7 +69,7 @@ def test_the_real_tree_keeps_every_contract():
     [
         ("memsvc.ops", "import kvstack.cli  # noqa", ONE_WAY),
         ("model_svc.config", "from scheduler_svc import client  # noqa", ONE_WAY),
-        ("scheduler_svc.engine", "from kvstack.stack import launch  # noqa", ONE_WAY),
+        ("scheduler_svc.engine.loop", "from kvstack.stack import launch  # noqa", ONE_WAY),
         # kvstack.up.status imports health; health importing status closes a cycle
         ("kvstack.up.health", "from kvstack.up import status  # noqa", NO_CYCLES),
         ("memsvc.core.pool", "import zmq  # noqa", PURE_CORES),

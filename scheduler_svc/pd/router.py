@@ -65,7 +65,7 @@ from memsvc.server import (
 )
 from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args, setting
 from scheduler_svc import protocol as p
-from scheduler_svc.engine import _seed_from_rid
+from scheduler_svc.engine import seed_from_rid
 from scheduler_svc.pd.flight import (
     Flight,
     error_header,
@@ -392,7 +392,7 @@ class Router:
             return  # the same re-bootstrap twice (duplicated on the way)
         self.stats["rebootstraps"] += 1
         sampling = {**flight.header["sampling"], "max_new_tokens": 1, "ignore_eos": True}
-        sampling["seed"] = sampling.get("seed") or _seed_from_rid(flight.rid)
+        sampling["seed"] = sampling.get("seed") or seed_from_rid(flight.rid)
         request = {
             "op": "generate",
             "rid": f"{flight.rid}:rb{room}",
@@ -465,7 +465,7 @@ class Router:
         """The prompt once more, under a new name on the prefill node (its first token seeded)."""
         flight.redrive_pending = False
         sampling = dict(flight.header["sampling"])
-        sampling["seed"] = sampling.get("seed") or _seed_from_rid(flight.rid)
+        sampling["seed"] = sampling.get("seed") or seed_from_rid(flight.rid)
         request = {
             **flight.header,
             "sampling": sampling,

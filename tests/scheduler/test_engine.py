@@ -9,7 +9,6 @@ import pytest
 
 from memsvc.core import KVPool
 from memsvc.handlers import MemService
-from scheduler_svc import engine as engine_module
 from scheduler_svc.core import (
     RETRACT_ABORT_MESSAGE,
     PrefillAdder,
@@ -18,7 +17,7 @@ from scheduler_svc.core import (
     SamplingParams,
     SchedulerConfig,
 )
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, prefill_round
 from tests.helpers import pool_service
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
 
@@ -319,7 +318,7 @@ def record_adders(monkeypatch: pytest.MonkeyPatch) -> list[PrefillAdder]:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(engine_module, "PrefillAdder", Recording)
+    monkeypatch.setattr(prefill_round, "PrefillAdder", Recording)
     return made
 
 

@@ -1,0 +1,174 @@
+"""The decode round: check decode memory, retract until the step fits, decode.
+
+memsvc checks and allocates one slot per running request in one round trip
+(``decode_step``); when the step does not fit, ``retract`` releases victims
+in the order the pure core chose (least worth keeping last) until it does,
+each victim's KV going where :meth:`DecodeRound._retract_targets` says (a
+:class:`~memsvc.protocol.RetractTarget`). The victims go back to a queue to
+be re-admitted; the last request is aborted if even it alone does not fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from memsvc.client import RetractTarget
+from scheduler_svc.core import (
+    RETRACT_ABORT_MESSAGE,
+    RETRACT_ABORT_STATUS,
+    Req,
+    retraction_order,
+)
+from scheduler_svc.engine.base import EngineBase, output_logprob
+
+log = logging.getLogger("scheduler_svc")
+
+
+class DecodeRound(EngineBase):
+    """The engine's decode round and retract (see the module docstring)."""
+
+    async def _decode_round(self) -> None:
+        retracted = False
+        if self.config.is_test_retract_step(self.stats.forward_passes) and len(self.running) > 1:
+            await self._retract(kv_full=False)
+            retracted = True
+        while self.running:
+            step = await self.mem.decode_step([r.row for r in self.running])
+            if step.fits:
+                break
+            await self._retract(kv_full=True)
+            retracted = True
+        if not self.running:
+            return
+        if not retracted:
+            self.ratio.decay_step()
+        batch = list(self.running)
+        started = time.perf_counter()
+        result = await self.model.decode(
+            [r.row for r in batch],
+            [r.seq_len for r in batch],
+            [r.output_ids[-1] for r in batch],
+            sampling=[self._sampling(r) for r in batch],
+            pool_epoch=self.mem.epoch,
+        )
+        self.stats.decode_s += time.perf_counter() - started
+        self.stats.forward_passes += 1
+        self.stats.note_decode(len(batch), time.monotonic())
+        for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
+            req.append_token(int(token))
+            req.record_output_logprob(*output_logprob(result, i))
+            self.stats.generated_tokens += 1
+            if req.check_finished(self.eos_token_ids):
+                self.running.remove(req)
+                await self._finish(req)
+            else:
+                self.emit(req, False)
+
+    # -- retract ---------------------------------------------------------------
+
+    async def _retract(self, *, kv_full: bool) -> None:
+        """Retract from the running batch in victim order (memsvc stops when the step fits)."""
+        order = retraction_order(self.running, self.config, self.stats.forward_passes, self.cost)
+        ordered = [self.running[i] for i in order]
+        old_ratio = self.ratio.current
+        sizes_before = self.mem.sizes
+        log.debug(
+            "retract order (keep first): %s",
+            [(r.rid, len(r.output_ids), len(r.origin_input_ids)) for r in ordered],
+        )
+        targets = self._retract_targets(ordered)
+        started = time.perf_counter()
+        reply = await self.mem.retract(
+            [r.row for r in ordered], targets, token_ids=_tree_token_ids(ordered, targets)
+        )
+        self.stats.retract_s += time.perf_counter() - started
+        offloaded = {
+            r.rid
+            for r, target in zip(ordered, targets, strict=True)
+            if target is RetractTarget.HOST_ENTRY
+        }
+        into_tree = set(getattr(reply, "to_tree", ()))
+        by_rid = {r.rid: r for r in ordered}
+        for rid in reply.retracted:
+            req = by_rid[rid]
+            self.running.remove(req)
+            self.stats.retracted_reqs += 1
+            self.stats.retracted_input_tokens += len(req.origin_input_ids)
+            self.stats.retracted_output_tokens += len(req.output_ids)
+            host_copy = rid in offloaded
+            if host_copy:
+                self.stats.offloaded_reqs += 1
+                self.stats.offloaded_tokens += req.seq_len - 1
+            elif rid in into_tree:  # its KV is in the tree: re-admission is a prefix hit
+                self.stats.tree_retracted_reqs += 1
+                self.stats.tree_retracted_tokens += req.seq_len - 1
+            req.reset_for_retract()
+            req.host_copy = host_copy
+            await self._requeue_retracted(req)
+        for rid in reply.offload_failed:
+            req = by_rid[rid]
+            self.running.remove(req)
+            self.stats.retracted_reqs += 1
+            req.reset_for_retract()
+            await self._offload_failed(req)
+        if reply.last_does_not_fit and self.running:
+            last = self.running[0]
+            log.warning("retract_decode: aborted last request %s due to OOM", last.rid)
+            await self._abort(last, RETRACT_ABORT_MESSAGE, RETRACT_ABORT_STATUS)
+        self.stats.retract_events += 1
+        self.stats.last_retracted_reqs = len(reply.retracted)
+        new_ratio = self.ratio.on_retract(self.running)
+        self.stats.last_ratio_after_retract = new_ratio
+        gained = self.mem.sizes.available - sizes_before.available
+        head = "KV cache pool is full. Retract requests. " if kv_full else "Testing retraction. "
+        tail = f", #new_token_ratio: {old_ratio:.4f} -> {new_ratio:.4f}" if kv_full else ""
+        log.warning(
+            "%s#retracted_reqs: %d, #new_tokens_gained: %d%s",
+            head,
+            len(reply.retracted),
+            gained,
+            tail,
+        )
+
+    def _retract_targets(self, ordered: list[Req]) -> list[RetractTarget]:
+        """Per request of the victim order, where its KV goes if retracted.
+
+        FREE (re-prefilled), HOST_ENTRY (memsvc's private host-store entry, loaded
+        back whole on re-admission), or, with the hierarchy on, TREE: inserted
+        into the radix tree and backed up to its host tier, so that its own
+        re-admission and any request sharing its prefix hit it.
+        """
+        mode = self.config.retract_mode
+        kept = RetractTarget.TREE if self.hierarchical else RetractTarget.HOST_ENTRY
+        if mode != "auto":
+            return [kept if mode == "offload" else RetractTarget.FREE] * len(ordered)
+        # Victims are popped from the end: decide in that order, so host-store room
+        # goes to the first ones retracted. The host tier makes room by LRU eviction:
+        # all of it is there to take.
+        room = self.mem.sizes.host_free
+        if self.hierarchical:
+            room = int(self.mem.hello_info["hicache"].get("host_capacity_bytes", 0))
+        choices = self.cost.choose_offload(ordered[::-1], room)
+        return [kept if c else RetractTarget.FREE for c in choices[::-1]]
+
+    async def _requeue_retracted(self, req: Req) -> None:
+        """Normal mode: back to the tail of the waiting queue (re-prefill or host-store load)."""
+        self.waiting.append(req)
+
+    async def _offload_failed(self, req: Req) -> None:
+        """The host store could not take the victim: normal mode re-prefills it instead."""
+        await self._requeue_retracted(req)
+
+
+def _tree_token_ids(
+    ordered: list[Req], targets: list[RetractTarget]
+) -> list[list[int] | None] | None:
+    """``retract``'s ``token_ids``: those of each TREE victim (whose KV is written: all
+    but the last token, ``kv_len`` of them), None for the others; None if none is TREE."""
+    if RetractTarget.TREE not in targets:
+        return None
+    return [
+        r.fill_ids[: r.kv_len] if t is RetractTarget.TREE else None
+        for r, t in zip(ordered, targets, strict=True)
+    ]
