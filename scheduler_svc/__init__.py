@@ -7,7 +7,8 @@
   (``engine.decode_round``), and the repairs after a fault (``engine.base``);
 - :mod:`.pd`: the PD prefill and decode engines, and the router in front of them;
 - :mod:`.service`, :mod:`.protocol`, :mod:`.client`: the generate API, its wire
-  messages and its sync / async clients;
+  messages and its sync / async clients; :mod:`.intake` (SGLang's checks on a
+  request, the request it becomes) and :mod:`.replies` (chunks, done, errors);
 - :mod:`.recovery`, :mod:`.resilient`: surviving a dead memsvc or model worker;
 - :mod:`.metrics`: the scheduler's Prometheus collector.
 

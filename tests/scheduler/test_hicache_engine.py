@@ -13,7 +13,7 @@ from memsvc.core import KVPool
 from memsvc.core.hicache import HiCacheConfig
 from memsvc.handlers import MemService, ServiceConfig
 from scheduler_svc.core import ReqState
-from scheduler_svc.service import _meta
+from scheduler_svc.replies import meta_info
 from tests.helpers import small_layout
 from tests.scheduler.engine_harness import InProcessMem, expected_output
 from tests.scheduler.test_engine import Harness, record_adders, run, seed_tree
@@ -60,7 +60,7 @@ def test_a_host_hit_is_loaded_charged_and_reported_per_tier(monkeypatch) -> None
             await h.run()
             done = h.done["r"]
             assert done.output_ids == expected_output([*shared, 99], 16)
-            meta = _meta(done, 0.0)
+            meta = meta_info(done, 0.0)
             assert meta["cached_tokens"] == 40
             assert meta["cached_tokens_details"] == {"device": 0, "host": 40}
             assert h.engine.stats.host_hit_tokens == 40
@@ -79,7 +79,7 @@ def test_without_the_hierarchy_meta_info_is_as_before() -> None:
             assert not h.engine.hierarchical
             h.submit("r", [*shared, 99], 8)
             await h.run()
-            meta = _meta(h.done["r"], 0.0)
+            meta = meta_info(h.done["r"], 0.0)
             assert meta["cached_tokens"] == 40 and "cached_tokens_details" not in meta
             service.pool.check_integrity(idle=True)
 

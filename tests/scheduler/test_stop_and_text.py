@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.core import Req, SamplingParams
-from scheduler_svc.service import SchedulerService
+from scheduler_svc.replies import output_text
 
 TOKENIZER = ByteTokenizer()
 
@@ -34,7 +32,7 @@ def feed(req: Req, text: str, eos: tuple[int, ...] = ()) -> int:
 
 
 def text_of(req: Req) -> str:
-    return SchedulerService._text(SimpleNamespace(tokenizer=TOKENIZER), req)
+    return output_text(TOKENIZER, req)
 
 
 def test_a_stop_string_across_tokens_finishes_at_its_last_byte() -> None:
