@@ -87,9 +87,13 @@ class EngineBase:
             kind, item = self._commands.popleft()
             if kind == "submit":
                 self.reqs[item.rid] = item
-                self.waiting.append(item)
+                self._enqueue(item)
             elif item in self.reqs:
                 await self._abort(self.reqs[item], "Aborted by the client.", 499)
+
+    def _enqueue(self, req: Req) -> None:
+        """A submitted request joins the queue it starts in: ``waiting`` here."""
+        self.waiting.append(req)
 
     # -- shared by the rounds --------------------------------------------------
 

@@ -52,14 +52,9 @@ class DecodeEngine(Engine):
     def _event(self, kind: str, req: Req) -> None:
         self.timeline.append((self.stats.forward_passes, kind, req.rid))
 
-    async def _apply_commands(self) -> None:
-        while self._commands:
-            kind, item = self._commands.popleft()
-            if kind == "submit":
-                self.reqs[item.rid] = item
-                self.prealloc.append(item)
-            elif item in self.reqs:
-                await self._abort(self.reqs[item], "Aborted by the client.", 499)
+    def _enqueue(self, req: Req) -> None:
+        """A submitted request waits for its preallocation (its KV comes from the prefill node)."""
+        self.prealloc.append(req)
 
     async def step(self) -> bool:
         await self._apply_commands()
