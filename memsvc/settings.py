@@ -338,21 +338,51 @@ def apply_config_file(parser: argparse.ArgumentParser, argv: Sequence[str]) -> N
     """
     if "--config" not in parser._option_string_actions:
         return
-    # Only --config, abbreviations too (as argparse takes ``--conf FILE``); the rest of
-    # argv is left for the real parse.
+    # Only --config and the mutually exclusive flags, abbreviations too (as argparse
+    # takes ``--conf FILE``); the rest of argv is left for the real parse.
     finder = argparse.ArgumentParser(prog=parser.prog, add_help=False)
     finder.add_argument("--config", default=None)
-    path = finder.parse_known_args(list(argv))[0].config
+    exclusive = [g._group_actions for g in parser._mutually_exclusive_groups]
+    for action in (a for group in exclusive for a in group):
+        finder.add_argument(
+            *action.option_strings,
+            dest=action.dest,
+            nargs=action.nargs,
+            default=None,
+            action="store_const" if action.nargs == 0 else "store",
+            **({"const": True} if action.nargs == 0 else {}),
+        )
+    found = finder.parse_known_args(list(argv))[0]
+    path = found.config
     if path is None:
         return
     try:
         values = config_file_values(parser, path)
+        _one_of_each_group(values, exclusive, given=vars(found))
     except (OSError, ValueError) as exc:
         parser.error(f"--config {path}: {exc}")
     for action in parser._actions:
         if action.dest in values:
             action.required = False
     parser.set_defaults(**values)
+
+
+def _one_of_each_group(
+    values: dict[str, Any], groups: list[list[argparse.Action]], given: Mapping[str, Any]
+) -> None:
+    """Check the file against ``parser``'s mutually exclusive groups, in ``values``.
+
+    Two keys of one group in the file are an error, as the two flags are on the
+    command line; a key whose group has another flag on the command line is
+    dropped (the command line wins).
+    """
+    for group in groups:
+        in_file = [a for a in group if a.dest in values]
+        if len(in_file) > 1:
+            names = " and ".join(a.option_strings[-1].lstrip("-") for a in in_file)
+            raise ValueError(f"keys {names} cannot both be set (one of them only)")
+        if in_file and any(given.get(a.dest) is not None for a in group if a not in in_file):
+            del values[in_file[0].dest]
 
 
 def config_file_values(parser: argparse.ArgumentParser, path: str | Path) -> dict[str, Any]:

@@ -215,6 +215,10 @@ def test_config_file_sets_flags_and_loses_to_the_command_line(tmp_path) -> None:
         ("retract-cooldown-steps: soon\n", "key 'retract-cooldown-steps': invalid int value"),
         ("enable-hierarchical-cache: 3\n", "key 'enable-hierarchical-cache': expected true or"),
         ("- a list\n", "must be a mapping of flag names to values"),
+        (
+            "num-pages: 100\nmax-total-tokens: 4096\n",
+            "keys max-total-tokens and num-pages cannot both be set",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["serve", "up"])
@@ -226,6 +230,16 @@ def test_a_bad_config_file_is_refused_naming_the_key(command, text, error, tmp_p
     err = capsys.readouterr().err
     assert err.startswith(f"usage: kvstack {command} ")
     assert f"error: --config {config}: {error}" in err
+
+
+def test_a_capacity_flag_on_the_command_line_replaces_the_files_other_one(tmp_path) -> None:
+    """--max-total-tokens and --num-pages exclude each other; the command line's one wins."""
+    config = write(tmp_path / "stack.yaml", "num-pages: 100\n")
+    assert serve_args(["--config", str(config)]).num_pages == 100
+    args = serve_args(["--config", str(config), "--max-total-tokens", "4096"])
+    assert (args.max_total_tokens, args.num_pages) == (4096, None)
+    args = serve_args(["--max-total", "4096", "--config", str(config)])  # abbreviated too
+    assert (args.max_total_tokens, args.num_pages) == (4096, None)
 
 
 def test_serve_waits_for_each_service_as_long_as_up_does() -> None:
