@@ -116,7 +116,7 @@ class CurveKeys:
 def add_curve_arguments(parser: argparse.ArgumentParser, *, connects_to: str) -> None:
     """The four CURVE flags; ``connects_to`` names the servers ``--curve-server-key`` is for."""
     group = parser.add_argument_group(
-        "CURVE (encryption and client keys on every ZMQ socket; README: Security)"
+        "CURVE (encryption and client keys on every ZMQ socket; docs/security.md)"
     )
     group.add_argument(
         "--curve-secret-key",

@@ -17,7 +17,7 @@ decode with that model's tokenizer. Endpoints, as SGLang names them:
   merged into one exposition (one HELP/TYPE per family, a ``service`` label
   telling the sources apart), so that it parses.
 
-With ``--curve-dir DIR`` every ZMQ socket has CURVE on (README "Security"): the
+With ``--curve-dir DIR`` every ZMQ socket has CURVE on (docs/security.md): the
 stack started serves and connects with DIR's keys, and the front connects with
 its client keys (also when fronting with ``--scheduler``).
 
@@ -27,8 +27,8 @@ scheduler's intake rejections (a prompt that can never fit, ids out of the
 vocabulary...) keep the status code it gives them.
 
 This module is the command (flags, starting the stack, serving until a
-signal); the application is :mod:`kvstack.serve.app`, the wire formats
-:mod:`kvstack.serve.api`.
+signal); the application is :mod:`kvstack.serve.app`, the endpoint families
+:mod:`kvstack.serve.sglang` and :mod:`kvstack.serve.openai`.
 """
 
 from __future__ import annotations
@@ -317,7 +317,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--curve-dir",
         default=None,
         metavar="DIR",
-        help="CURVE on every ZMQ socket, with the keys in DIR (README: Security): the stack "
+        help="CURVE on every ZMQ socket, with the keys in DIR (docs/security.md): the stack "
         "started serves and connects with them (created in DIR if it holds none); with "
         "--scheduler, the front connects with DIR's client keys; refused (exit 2) if DIR, "
         "clients/ or a key file is another user's or group- or world-writable",

@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CURVE on every socket of the stack (the PD transfer socket too), with the keys "
         "in DIR: created there (zmq.auth certificates, private) if DIR holds none; "
         "refused (exit 2) if DIR, clients/ or a key file is another user's or group- or "
-        "world-writable (README: Security)",
+        "world-writable (docs/security.md)",
     )
     add_service_flags(parser)
     add_config_argument(parser)

@@ -20,7 +20,7 @@ one (the decode node no longer expects it). If the prefill
 node rejects a request, or stops answering for ``--prefill-timeout`` seconds,
 the decode side is aborted and the client gets the prefill node's error.
 
-Faults (see README "Fault tolerance"): the bootstrap room is derived from the
+Faults (see docs/faults.md): the bootstrap room is derived from the
 rid, so a client that re-submits through a restarted router pairs the two
 nodes' halves of its request again (each node attaches a live rid or answers
 a finished one from its result cache); a re-submission to this router takes
