@@ -1,5 +1,8 @@
 """``kvstack demo``: normal and PD stacks under KV pressure.
 
-- :mod:`.cli`: the workload, the three runs and their table;
+- :mod:`.cli`: the command (flags, the run, the report printed);
+- :mod:`.workload`: the requests;
+- :mod:`.runs`: the three runs, each on its own stack, and the sampler;
+- :mod:`.report`: the table, the aborts, the answers and the identical-output check;
 - :mod:`.plots`: the PNG plots of a run.
 """

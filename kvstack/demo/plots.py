@@ -1,6 +1,6 @@
 """The PNG plots of ``kvstack demo`` (matplotlib, Agg backend: no display needed).
 
-Each function takes the demo's :class:`kvstack.demo.cli.RunResult` objects by
+Each function takes the demo's :class:`kvstack.demo.runs.RunResult` objects by
 mode name and writes one file; :func:`write_all` writes them all and returns
 their paths.
 """
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from kvstack.demo.cli import RunResult, Sample
+    from kvstack.demo.runs import RunResult, Sample
 
 FILES = ("token_usage.png", "new_token_ratio.png", "queue_lengths.png", "retract_cost.png")
 

@@ -17,6 +17,8 @@ import pytest
 
 from kvstack.demo import cli as demo
 from kvstack.demo import plots as demo_plots
+from kvstack.demo.report import check_identical, render_answers, summarize
+from kvstack.demo.runs import RunResult, Sample
 from kvstack.demo.workload import Workload, chat_workload, random_workload
 from kvstack.stack.launch import REPO
 from memsvc.lifeline import child_env
@@ -129,19 +131,19 @@ def test_demo_writes_every_plot(demo_run):
 
 def test_identical_check_fails_when_an_output_differs():
     reference = {"long": [1, 2, 3], "short-0": [4, 5]}
-    code, line = demo.check_identical(reference, {"normal": dict(reference), "PD": dict(reference)})
+    code, line = check_identical(reference, {"normal": dict(reference), "PD": dict(reference)})
     assert code == 0 and IDENTICAL in line
-    code, line = demo.check_identical(
+    code, line = check_identical(
         reference, {"normal": dict(reference), "PD": {"long": [1, 2, 3], "short-0": [4, 6]}}
     )
     assert code == 1 and "PD" in line and "short-0" in line and "normal" not in line
-    code, line = demo.check_identical(reference, {"normal": {"long": [1, 2, 3]}})  # one missing
+    code, line = check_identical(reference, {"normal": {"long": [1, 2, 3]}})  # one missing
     assert code == 1 and "short-0" in line
 
 
-def fake_run(name: str, retracts: list[int], **stats: int) -> demo.RunResult:
+def fake_run(name: str, retracts: list[int], **stats: int) -> RunResult:
     samples = [
-        demo.Sample(
+        Sample(
             t=0.1 * i,
             used=100 + 10 * i,
             evictable=5 * i,
@@ -154,7 +156,7 @@ def fake_run(name: str, retracts: list[int], **stats: int) -> demo.RunResult:
     base = dict.fromkeys(
         ("retract_events", "retracted_reqs", "reprefilled_tokens", "offloaded_tokens"), 0
     )
-    return demo.RunResult(
+    return RunResult(
         name=name,
         outputs={"a": [1, 2], "b": [3]},
         finish_reasons={
@@ -172,7 +174,7 @@ def fake_run(name: str, retracts: list[int], **stats: int) -> demo.RunResult:
 
 def test_summary_and_retract_times_from_fake_runs():
     run = fake_run("PD", [0, 1, 1, 3], retract_events=3, offloaded_tokens=10, loaded_tokens=10)
-    s = demo.summarize(run)
+    s = summarize(run)
     assert s["generated"] == 3 and s["aborts"] == 1 and s["tokens_per_s"] == 1.5
     assert s["offloaded_bytes"] == s["loaded_bytes"] == 40960
     assert s["p50"] == 1.5 and s["p99"] == 1.5
@@ -304,7 +306,7 @@ def test_answers_name_retractions_and_differences() -> None:
     pd.outputs = {"long": list(b"no"), "short-0": list(b"because")}
     console = Console(width=200, record=True)
     runs = {"normal": normal, "PD": pd}
-    console.print(demo.render_answers(work, runs, reference, ByteTokenizer(), 2))
+    console.print(render_answers(work, runs, reference, ByteTokenizer(), 2))
     lines = console.export_text().splitlines()
     assert lines[1].startswith("Q: Why?") and "normal 2x identical, PD 0x identical" in lines[1]
     assert lines[2] == "A: because ..."  # cut by max_new_tokens
