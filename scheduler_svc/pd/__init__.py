@@ -3,8 +3,8 @@
 - :mod:`.prefill` (``PrefillEngine``) and :mod:`.decode` (``DecodeEngine``): the two
   nodes' scheduling loops; :mod:`.rooms`: what both share;
 - :mod:`.router` (``python -m scheduler_svc.pd.router``): the PD front, which pairs the
-  nodes' halves of each request (:mod:`.flight`) and catches up a node whose scheduler
-  restarted (:mod:`.node_watch`).
+  nodes' halves of each request (:mod:`.flight`), acts on the nodes' replies
+  (:mod:`.node_replies`) and catches up a node whose scheduler restarted (:mod:`.node_watch`).
 
 Both reuse :class:`Engine`; what differs is where a request's KV comes from
 and where it goes::

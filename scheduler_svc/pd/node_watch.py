@@ -46,7 +46,7 @@ class NodeWatch:
             for flight in list(router.flights.values()):
                 if flight.current is not None and flight.prefill_error is None:
                     why = f"prefill node unreachable for {silent:.0f}s"
-                    await router.prefill_failed(
+                    await router.replies.prefill_failed(
                         flight, error_header("prefill_unreachable", why, 500)
                     )
 
@@ -86,7 +86,7 @@ class NodeWatch:
             mark = flight.commit_mark
             router.drop_prefill_ops(flight)
             if flight.redrive_pending:
-                await router.prefill_again(flight)
+                await router.replies.prefill_again(flight)
             elif current is not None:
                 await router.send_prefill(flight, *current, commit_mark=mark)
             else:
@@ -123,6 +123,6 @@ class NodeWatch:
             if flight.prefill_ops:
                 flight.redrive_pending = True  # prefill again once they are answered
             else:
-                await router.prefill_again(flight)
+                await router.replies.prefill_again(flight)
         router.stats["redrives"] += len(flights)
         log.warning("decode scheduler restarted: %d requests started over", len(flights))

@@ -6,7 +6,8 @@ the prefill node; ``flush_cache`` goes to both nodes). For each
 ``generate`` the router derives a bootstrap room from the rid and sends the
 request to both nodes: the prefill scheduler computes the prompt's KV and first token and
 memsvc-P writes them into the pages memsvc-D preallocated; the decode
-scheduler streams the output, which the router relays::
+scheduler streams the output, which the router relays (the nodes' replies:
+:mod:`scheduler_svc.pd.node_replies`)::
 
     client ──generate──► router ──(room)──► scheduler-P ──► memsvc-P ══KV══► memsvc-D
                            ▲      └─(room)─► scheduler-D ◄────────────────────┘
@@ -48,7 +49,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -65,22 +65,19 @@ from memsvc.server import (
 )
 from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args, setting
 from scheduler_svc import protocol as p
-from scheduler_svc.engine import seed_from_rid
 from scheduler_svc.pd.flight import (
     Flight,
     error_header,
     error_reply,
     fingerprint,
-    is_abort,
     room_for,
-    unpack_reply,
 )
+from scheduler_svc.pd.node_replies import NodeReplies
 from scheduler_svc.pd.node_watch import NodeWatch
 from scheduler_svc.stall import wedged
 
 log = logging.getLogger("scheduler_svc.pd.router")
 
-MAX_DECODE_RESENDS = 3  # a generate the decode node calls malformed (damaged on the way)
 STALL_TIMEOUT_S = 30.0  # no node with work progressed this long: the stack is wedged
 
 
@@ -101,10 +98,11 @@ class Router:
         self.stall_timeout_s = stall_timeout_s
         self._ops = itertools.count(1)
         self.flights: dict[str, Flight] = {}  # live requests by rid
-        self._by_decode_op: dict[int, Flight] = {}
+        self.by_decode_op: dict[int, Flight] = {}
         self.by_prefill_op: dict[int, Flight] = {}
         self._pending: dict[int, asyncio.Future] = {}  # abort / info round trips
         self.prefill_seen = time.monotonic()
+        self.replies = NodeReplies(self)
         self.watch = NodeWatch(self)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -140,8 +138,8 @@ class Router:
             self.prefill.connect(self.prefill_address)
             loops = [
                 self._from_clients(),
-                self._from_decode(),
-                self._from_prefill(),
+                self.replies.from_decode(),
+                self.replies.from_prefill(),
                 self.watch.watch_prefill(),
                 self.watch.watch_decode(),
             ]
@@ -177,12 +175,12 @@ class Router:
             except wire.ProtocolError as exc:
                 # Echo the op_id even of an invalid message: the client matches by it.
                 op_id = wire.best_effort_op_id(payload)
-                await self._reply(identity, error_reply(op_id, exc.code, exc.message, 400))
+                await self.reply(identity, error_reply(op_id, exc.code, exc.message, 400))
 
     async def _generate(self, identity: bytes, msg: p.Generate) -> None:
         if msg.return_logprob:
             message = "return_logprob is not supported in PD (prefill/decode) mode"
-            await self._reply(identity, error_reply(msg.op_id, "bad_request", message, 400))
+            await self.reply(identity, error_reply(msg.op_id, "bad_request", message, 400))
             return
         key = fingerprint(msg)
         live = self.flights.get(msg.rid)
@@ -190,7 +188,7 @@ class Router:
             if (live.client, live.fingerprint) != (msg.client, key):
                 whose = "" if live.client == msg.client else " for another client"
                 message = f"request {msg.rid!r} is already running{whose}"
-                await self._reply(identity, error_reply(msg.op_id, "duplicate_rid", message, 400))
+                await self.reply(identity, error_reply(msg.op_id, "duplicate_rid", message, 400))
                 return
             if (live.identity, live.op_id) == (identity, msg.op_id):
                 return  # the same message twice
@@ -225,9 +223,9 @@ class Router:
 
     async def send_decode(self, flight: Flight) -> None:
         """(Re-)send the generate to the decode node; replies to an earlier one are dropped."""
-        self._by_decode_op.pop(flight.decode_op, None)
-        flight.decode_op = next(self._ops)
-        self._by_decode_op[flight.decode_op] = flight
+        self.by_decode_op.pop(flight.decode_op, None)
+        flight.decode_op = self.next_op()
+        self.by_decode_op[flight.decode_op] = flight
         frames = wire.pack({**flight.header, "op_id": flight.decode_op}, flight.arrays)
         await self.decode.send_multipart(frames)
 
@@ -235,7 +233,7 @@ class Router:
         self, flight: Flight, header: dict, arrays: dict | None, commit_mark: int = 0
     ) -> None:
         """Send a prefill request; the decode node now waits for its KV."""
-        op = next(self._ops)
+        op = self.next_op()
         flight.prefill_ops[op] = (header, arrays)
         if header["rid"] not in flight.prefill_rids:
             flight.prefill_rids.append(header["rid"])
@@ -243,9 +241,9 @@ class Router:
         self.by_prefill_op[op] = flight
         await self.prefill.send_multipart(wire.pack({**header, "op_id": op}, arrays))
 
-    async def _end(self, flight: Flight, *, cleanup: bool = True) -> None:
+    async def end(self, flight: Flight, *, cleanup: bool = True) -> None:
         """The decode side ended ``flight``: forget it; abort what the prefill node still runs."""
-        self._by_decode_op.pop(flight.decode_op, None)
+        self.by_decode_op.pop(flight.decode_op, None)
         if self.flights.get(flight.rid) is flight:
             del self.flights[flight.rid]
         left = self.drop_prefill_ops(flight)
@@ -265,22 +263,22 @@ class Router:
         """Abort ``rids`` on the prefill node, as ``client`` (who owns them there)."""
         for rid in rids:
             await self.prefill.send_multipart(
-                wire.pack({"op": "abort", "rid": rid, "client": client, "op_id": next(self._ops)})
+                wire.pack({"op": "abort", "rid": rid, "client": client, "op_id": self.next_op()})
             )
 
     async def _abort(self, identity: bytes, msg: p.Abort) -> None:
         flight = self.flights.get(msg.rid)
         if flight is not None and flight.client != msg.client:
             message = f"request {msg.rid!r} belongs to another client"
-            await self._reply(identity, error_reply(msg.op_id, "not_owner", message, 403))
+            await self.reply(identity, error_reply(msg.op_id, "not_owner", message, 403))
             return
         found = await self.call(self.decode, {"op": "abort", "rid": msg.rid, "client": msg.client})
         await self.abort_on_prefill(self._prefill_rids(msg.rid), msg.client)
         if found is not None and not found.get("ok"):  # the node knows the owner (a new router)
-            await self._reply(identity, wire.pack({**found, "op_id": msg.op_id}))
+            await self.reply(identity, wire.pack({**found, "op_id": msg.op_id}))
             return
         reply = {"ok": True, "op_id": msg.op_id, "found": bool(found and found.get("found"))}
-        await self._reply(identity, wire.pack(reply))
+        await self.reply(identity, wire.pack(reply))
 
     async def _flush_cache(self, identity: bytes, msg: p.FlushCache) -> None:
         """SGLang's flush_cache on both nodes: flushed only if both flushed."""
@@ -295,7 +293,7 @@ class Router:
                 text = str(reply.get("message", ""))
             messages.append(f"{name}: {text}")
         reply = {"ok": True, "op_id": msg.op_id, "flushed": flushed, "message": "; ".join(messages)}
-        await self._reply(identity, wire.pack(reply))
+        await self.reply(identity, wire.pack(reply))
 
     def _prefill_rids(self, rid: str) -> list[str]:
         """``rid`` and the names its re-bootstraps ran under on the prefill node."""
@@ -313,7 +311,7 @@ class Router:
         prefill = await self.call(self.prefill, {"op": "info"}, timeout=2.0)
         if decode is None:
             reply = error_reply(msg.op_id, "unavailable", "the decode node does not answer", 503)
-            await self._reply(identity, reply)
+            await self.reply(identity, reply)
             return
         info = {k: v for k, v in decode.items() if k not in ("op_id", "ok")}
         router = {**self.stats, "flights": len(self.flights)}
@@ -321,12 +319,12 @@ class Router:
         progress = {"decode": decode.get("progress"), "prefill": (prefill or {}).get("progress")}
         why = wedged(progress, self.stall_timeout_s)
         status = {"ok": True} if why is None else error_header("wedged", why, 503)
-        await self._reply(identity, wire.pack({**info, **status, "op_id": msg.op_id}))
+        await self.reply(identity, wire.pack({**info, **status, "op_id": msg.op_id}))
 
     async def call(
         self, sock: zmq.asyncio.Socket, header: dict, timeout: float = 10.0
     ) -> dict | None:
-        op = next(self._ops)
+        op = self.next_op()
         future = asyncio.get_running_loop().create_future()
         self._pending[op] = future
         try:
@@ -337,143 +335,27 @@ class Router:
         finally:
             self._pending.pop(op, None)
 
+    def next_op(self) -> int:
+        """A fresh op_id for a message to a node."""
+        return next(self._ops)
+
+    def answered(self, header: dict) -> bool:
+        """Whether a node's ``header`` answers one of :meth:`call`'s round trips (handed to it)."""
+        future = self._pending.get(header.get("op_id"))
+        if future is None:
+            return False
+        if not future.done():
+            future.set_result(header)
+        return True
+
     def spawn(self, coro) -> None:
         """Run ``coro`` beside the loops (kept referenced until it ends)."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _reply(self, identity: bytes, frames: list[bytes]) -> None:
+    async def reply(self, identity: bytes, frames: list[bytes]) -> None:
         await self.front.send_multipart([identity, *frames])
-
-    # -- nodes -------------------------------------------------------------------------
-
-    async def _from_decode(self) -> None:
-        while True:
-            header = unpack_reply(await self.decode.recv_multipart(), "decode")
-            if header is None:
-                continue
-            op = header.get("op_id")
-            if op in self._pending:
-                if not self._pending[op].done():
-                    self._pending[op].set_result(header)
-                continue
-            flight = self._by_decode_op.get(op)
-            if flight is None:
-                continue
-            kind = header.get("type")
-            if kind == "rebootstrap":
-                await self._rebootstrap(flight, header)
-                continue
-            ok = header.get("ok")
-            if not ok and header.get("code") == "malformed" and flight.resends < MAX_DECODE_RESENDS:
-                flight.resends += 1  # the generate was damaged on the way: send it again
-                await self.send_decode(flight)
-                continue
-            if kind == "chunk":
-                end = int(header.get("offset", 0)) + len(header.get("token_ids") or ())
-                flight.seen = max(flight.seen, end)
-                if end > flight.commit_mark:
-                    flight.current = None  # decoding past it: the KV it waited for arrived
-            if kind == "done" or not ok:
-                await self._end(flight, cleanup=header.get("code") != "duplicate_rid")
-                if flight.prefill_error is not None and is_abort(header):
-                    header = flight.prefill_error  # say why the prefill side failed
-            await self._reply(flight.identity, wire.pack({**header, "op_id": flight.op_id}))
-
-    async def _rebootstrap(self, flight: Flight, header: dict) -> None:
-        """The decode node re-prefills a victim through us: origin + output[:-1], one token.
-
-        The prefill node samples under the request's own seed (the rid's, if it
-        set none), so a request whose first token is sampled again gets the same.
-        """
-        room = int(header["room"])
-        if any(h.get("bootstrap_room") == room for h, _ in flight.prefill_ops.values()):
-            return  # the same re-bootstrap twice (duplicated on the way)
-        self.stats["rebootstraps"] += 1
-        sampling = {**flight.header["sampling"], "max_new_tokens": 1, "ignore_eos": True}
-        sampling["seed"] = sampling.get("seed") or seed_from_rid(flight.rid)
-        request = {
-            "op": "generate",
-            "rid": f"{flight.rid}:rb{room}",
-            "client": flight.client,
-            "sampling": sampling,
-            "stream": False,
-            "priority": flight.header.get("priority"),
-            "bootstrap_room": room,
-            "bootstrap_rid": flight.rid,
-        }
-        ids = np.asarray(header["input_ids"], dtype=wire.ARRAY_DTYPE)
-        outputs = ids.size + 1 - flight.prompt_len if flight.prompt_len else 0
-        await self._drop_superseded_prefills(flight)
-        await self.send_prefill(flight, request, {"input_ids": ids}, max(flight.seen, outputs))
-
-    async def _drop_superseded_prefills(self, flight: Flight) -> None:
-        """A re-bootstrap moves the request to a new room: abort what serves the old ones.
-
-        The decode node no longer expects those rooms, so a prefill still running
-        (or sending) for one would hold its pages on the prefill node until its
-        deadline, and the queue behind it would wait. A redrive waiting for those
-        prefills to end is superseded too: the decode node asked for this room.
-        """
-        flight.redrive_pending = False
-        await self.abort_on_prefill(self.drop_prefill_ops(flight), flight.client)
-
-    async def _from_prefill(self) -> None:
-        while True:
-            header = unpack_reply(await self.prefill.recv_multipart(), "prefill")
-            if header is None:
-                continue
-            self.prefill_seen = time.monotonic()
-            op = header.get("op_id")
-            if op in self._pending:
-                if not self._pending[op].done():
-                    self._pending[op].set_result(header)
-                continue
-            if header.get("type") == "chunk":
-                continue
-            flight = self.by_prefill_op.pop(op, None)
-            if flight is None:
-                continue
-            flight.prefill_ops.pop(op, None)
-            if flight.redrive_pending:
-                if not flight.prefill_ops:
-                    await self.prefill_again(flight)
-                continue
-            if op != flight.current:
-                continue  # superseded (re-sent or re-bootstrapped since): only the latest counts
-            flight.current = None
-            if not header.get("ok") or is_abort(header):
-                await self.prefill_failed(flight, header)
-
-    async def prefill_failed(self, flight: Flight, header: dict) -> None:
-        """Tell the client why (once the decode side has ended the request)."""
-        self.stats["prefill_errors"] += 1
-        if header.get("ok"):  # a done that ended in an abort: pass its reason on
-            reason = header["meta_info"]["finish_reason"]
-            header = {
-                "ok": False,
-                "code": "prefill_failed",
-                "message": reason.get("message", ""),
-                "status_code": reason.get("status_code", 500),
-            }
-        flight.prefill_error = header
-        abort = {"op": "abort", "rid": flight.rid, "client": flight.client}
-        await self.decode.send_multipart(wire.pack({**abort, "op_id": next(self._ops)}))
-
-    async def prefill_again(self, flight: Flight) -> None:
-        """The prompt once more, under a new name on the prefill node (its first token seeded)."""
-        flight.redrive_pending = False
-        sampling = dict(flight.header["sampling"])
-        sampling["seed"] = sampling.get("seed") or seed_from_rid(flight.rid)
-        request = {
-            **flight.header,
-            "sampling": sampling,
-            "stream": False,
-            "rid": f"{flight.rid}:rd{flight.redrives}",
-            "bootstrap_rid": flight.rid,
-        }
-        await self.send_prefill(flight, request, flight.arrays, commit_mark=flight.seen)
 
 
 @dataclass(frozen=True, kw_only=True)
