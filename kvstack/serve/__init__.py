@@ -2,7 +2,9 @@
 
 One module per endpoint family over one shared request path:
 
-- :mod:`.cli`: the command (flags, starting the stack, signals);
+- :mod:`.cli`: the command (its flags; start or find the stack, then serve);
+- :mod:`.backends`: the stack behind the front, started or fronted, and its tokenizer;
+- :mod:`.server`: the serve loop on its listening socket, and the signals;
 - :mod:`.app`: the aiohttp application: routes, error replies, both families built;
 - :mod:`.request_path`: the one path to the scheduler both families are given;
 - :mod:`.sglang`: SGLang's native ``/generate`` and admin endpoints, its request fields;

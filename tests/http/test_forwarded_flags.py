@@ -130,12 +130,12 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_serve_forwards_what_the_user_set_and_nothing_else(checkpoint) -> None:
-    from kvstack.serve import cli as serve_cli
+    from kvstack.serve import backends
 
     args = serve_args(["--checkpoint", str(checkpoint), *TUNED])
-    model = serve_cli._stack_model(args)
-    pool = serve_cli._pool(args, model)
-    scheduler = serve_cli._scheduler(args, model)
+    model = backends._stack_model(args)
+    pool = backends._pool(args, model)
+    scheduler = backends._scheduler(args, model)
     pool_text, scheduler_text = " ".join(pool), " ".join(scheduler)
     for pair in ["--host-store-bytes 65536", "--retract-decode-steps 7", "--hicache-size 2"]:
         assert pair in pool_text and pair not in scheduler_text, pair
@@ -316,12 +316,12 @@ def cmdline(pid: int) -> str:
 
 
 def test_started_services_run_with_the_flags(launcher, checkpoint) -> None:
-    from kvstack.serve import cli as serve_cli
+    from kvstack.serve.backends import start_stack
     from scheduler_svc.client import GenerateClient
 
     argv = ["--checkpoint", str(checkpoint), "--page-size", "4", "--num-pages", "128"]
     args = serve_args([*argv, *TUNED[:13], "--served-model-name", "smol"])
-    backend = serve_cli.start_stack(launcher, "normal", args)
+    backend = start_stack(launcher, "normal", args)
     info = GenerateClient(backend.scheduler, timeout_s=10).info()
     assert info["retract_mode"] == "offload" and info["retraction_policy"] == "cost"
     assert "--num-reserved-decode-tokens 64" in cmdline(backend.pids["scheduler_svc"])

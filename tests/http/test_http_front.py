@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstack.serve import cli as serve_cli
-from kvstack.serve.cli import ServeError, start_stack
+from kvstack.serve.backends import ServeError, start_stack
 from kvstack.serve.metrics import merge_metrics, parse_metrics
 from kvstack.serve.streaming import StreamText
 from kvstack.up.cli import pid_alive
