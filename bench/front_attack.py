@@ -32,54 +32,22 @@ import json
 import multiprocessing
 import os
 import resource
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from serve_process import kvstack_serve
+
 POLL_S = 0.02
 HEALTH_TIMEOUT_S = 30.0
-
-
-@contextlib.contextmanager
-def front(workdir: Path, nofile: int, extra: list[str]) -> Iterator[tuple[str, int]]:
-    """``kvstack serve --model-path tiny``: its URL and pid; stopped and reaped at the end."""
-    ready = workdir / "front.ready"
-    command = [sys.executable, "-m", "kvstack.cli", "serve", "--model-path", "tiny"]
-    command += ["--port", "0", "--ready-file", str(ready), "--log-level", "WARNING", *extra]
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    with open(workdir / "front.log", "wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=limit
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"kvstack serve did not start: {(workdir / 'front.log').read_text()}"
-                )
-            time.sleep(0.1)
-        yield json.loads(ready.read_text())["address"], proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+FLAGS = ["--model-path", "tiny", "--log-level", "WARNING"]  # kvstack serve's, before the user's
 
 
 def status_kib(pid: int, key: str) -> int:
@@ -247,10 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("serve_args", nargs="*", help="after --: flags for kvstack serve")
     args = parser.parse_args(argv)
     out: dict[str, Any] = {"nofile": args.nofile}
+
+    def limit() -> None:  # in the front, before it starts
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
+
     with (
         tempfile.TemporaryDirectory(prefix="kvstack-front-attack-") as tmp,
-        front(Path(tmp), args.nofile, args.serve_args) as (url, pid),
+        kvstack_serve(
+            Path(tmp), [*FLAGS, *args.serve_args], timeout_s=300, preexec_fn=limit
+        ) as serve,
     ):
+        url, pid = serve.address, serve.proc.pid
         with HealthPoller(url) as idle:
             time.sleep(3.0)
         out["idle"] = {

@@ -32,17 +32,15 @@ Exit status 0 only if every backend completed every prompt.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
+
+from serve_process import kvstack_serve
 
 REPO = Path(__file__).resolve().parents[1]
 SGLANG = "sglang==0.5.23"
@@ -159,47 +157,6 @@ def install(cache: Path) -> str:
 
 
 # -- kvstack serve --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def kvstack_serve(
-    model_path: str, extra: list[str], workdir: Path, env: dict[str, str]
-) -> Iterator[dict]:
-    """``kvstack serve`` on a free port until the block ends; yields its ready file."""
-    ready = workdir / "serve.ready"
-    log_path = workdir / "serve.log"
-    command = [
-        sys.executable,
-        "-m",
-        "kvstack",
-        "serve",
-        "--model-path",
-        model_path,
-        "--port",
-        "0",
-        "--ready-file",
-        str(ready),
-        *extra,
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **env}
-        )
-    try:
-        deadline = time.monotonic() + 600
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvstack serve did not start:\n{log_path.read_text()}")
-            time.sleep(0.2)
-        yield json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def scrape(url: str) -> dict[str, float | None]:
@@ -346,10 +303,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvstack-bench-serving-") as tmp:
         workdir = Path(tmp)
         env = {"SGLANG_TEST_RETRACT": "1"} if args.test_retract else {}
-        with kvstack_serve(args.model_path, args.serve_args, workdir, env) as ready:
-            url = ready["address"]
+        flags = ["--model-path", args.model_path, *args.serve_args]
+        with kvstack_serve(workdir, flags, timeout_s=600, env={**os.environ, **env}) as serve:
+            url = serve.address
             model = served_model(url, args.model_path)
-            print(f"kvstack serve at {url} (pid {ready['pid']}), model {model!r}", flush=True)
+            print(f"kvstack serve at {url} (pid {serve.info['pid']}), model {model!r}", flush=True)
             for backend in args.backends:
                 before = scrape(url)
                 log, result = bench(backend, url, model, checkpoint, args, python_path, workdir)
