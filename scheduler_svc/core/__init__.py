@@ -31,14 +31,13 @@ from scheduler_svc.core.policy import (
     retraction_order,
 )
 from scheduler_svc.core.ratio import NewTokenRatioTracker
-from scheduler_svc.core.request import (
+from scheduler_svc.core.request import Req, ReqState
+from scheduler_svc.core.sampling import (
     FinishAbort,
     FinishLength,
     FinishMatchedStr,
     FinishMatchedToken,
     FinishReason,
-    Req,
-    ReqState,
     SamplingParams,
 )
 

@@ -25,12 +25,13 @@ written by the next decode step, which is why it opens a new page when
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
 from scheduler_svc.core.errors import IllegalTransitionError
+from scheduler_svc.core.sampling import FinishAbort, FinishReason, SamplingParams
 
 
 @dataclass(slots=True)
@@ -74,84 +75,6 @@ TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
     _S.FINISHED: frozenset(),
     _S.ABORTED: frozenset(),
 }
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """A request's sampling record as the core keeps it: the limits the core enforces
-    (length, stops, how the text is decoded) and, as ``draw``, how each token is drawn.
-
-    ``draw`` holds the wire's other sampling fields (``temperature``, ``top_p``...)
-    by name; the core never reads it, the engine sends it to the worker. Empty:
-    greedy. :meth:`of` splits a wire record into the two.
-    """
-
-    max_new_tokens: int = 128
-    ignore_eos: bool = False
-    stop_token_ids: frozenset[int] = frozenset()
-    min_new_tokens: int = 0  # EOS / stop ids are masked out before this many tokens
-    stop: tuple[str, ...] = ()
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    draw: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-
-    @classmethod
-    def of(cls, record: Mapping[str, Any], **decided: Any) -> SamplingParams:
-        """From a wire record's fields: those named as this class's fields (``decided``
-        overriding them), and every other one into ``draw``."""
-        own = _LIMITS.intersection(record)
-        limits = {name: record[name] for name in own}
-        draw = {name: value for name, value in record.items() if name not in own}
-        return cls(**{**limits, **decided}, draw=draw)
-
-    @property
-    def stop_str_max_len(self) -> int:
-        return max(map(len, self.stop), default=0)
-
-
-_LIMITS = frozenset(f.name for f in fields(SamplingParams)) - {"draw"}
-
-
-@dataclass(frozen=True, slots=True)
-class FinishLength:
-    length: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "length", "length": self.length}
-
-
-@dataclass(frozen=True, slots=True)
-class FinishMatchedToken:
-    matched: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True, slots=True)
-class FinishMatchedStr:
-    matched: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True, slots=True)
-class FinishAbort:
-    message: str
-    status_code: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "abort", "message": self.message, "status_code": self.status_code}
-
-
-FinishReason = FinishLength | FinishMatchedToken | FinishMatchedStr | FinishAbort
 
 
 @dataclass(slots=True, eq=False)
@@ -469,48 +392,22 @@ class Req:
         self.retract_time = self.queue_entry_time = time.monotonic()
 
     def check_finished(self, eos_token_ids: Collection[int] = ()) -> bool:
-        """After ``append_token``: finish on ``max_new_tokens`` or a stop/EOS token.
-
-        The length limit is checked first; stop tokens and EOS are both
-        ignored under ``ignore_eos``. Returns whether the request is finished.
+        """After ``append_token``: finish on ``max_new_tokens`` or a stop/EOS token
+        (:meth:`SamplingParams.finish_reason`). Returns whether the request is finished.
         """
         if self.is_finished:
             return True
         self._require(bool(self.output_ids), ReqState.FINISHED, "no token generated yet")
-        params = self.sampling_params
-        if len(self.output_ids) >= params.max_new_tokens:
-            self._finish(FinishLength(params.max_new_tokens))
-            return True
-        last = self.output_ids[-1]
-        stops = len(self.output_ids) > params.min_new_tokens  # earlier ones are masked out
-        if (
-            stops
-            and not params.ignore_eos
-            and (last in params.stop_token_ids or last in eos_token_ids)
-        ):
-            self._finish(FinishMatchedToken(last))
-            return True
-        matched = self._matched_stop_str()
-        if matched is not None:
-            self._finish(FinishMatchedStr(matched))
-            return True
-        return False
-
-    def _matched_stop_str(self) -> str | None:
-        """The first of ``stop`` in the decoded tail of the output (SGLang's tail check:
-        as many tokens as the longest stop string has characters, plus one)."""
-        params = self.sampling_params
-        if not params.stop or self.stop_decoder is None:
-            return None
-        tail = self.stop_decoder(self.output_ids[-(params.stop_str_max_len + 1) :])
-        return next((stop for stop in params.stop if stop in tail), None)
+        reason = self.sampling_params.finish_reason(
+            self.output_ids, eos_token_ids, self.stop_decoder
+        )
+        if reason is not None:
+            self._finish(reason)
+        return reason is not None
 
     def suppressed_token_ids(self, eos_token_ids: Collection[int]) -> list[int]:
         """What the next token may not be: EOS and the stop ids, before ``min_new_tokens``."""
-        params = self.sampling_params
-        if len(self.output_ids) >= params.min_new_tokens:
-            return []
-        return sorted(set(eos_token_ids) | params.stop_token_ids)
+        return self.sampling_params.suppressed_token_ids(len(self.output_ids), eos_token_ids)
 
     def _finish(self, reason: FinishReason) -> None:
         self._move(ReqState.FINISHED)
