@@ -9,6 +9,9 @@ Used by every test that touches memory and by memsvc's ``check`` op::
     idle:  nothing open, nothing protected, host store empty
     hicache: the tree's check covers the host and storage tiers (each page in one
              node, bytes accounted); idle adds the storage files == the tree's index
+    eviction: every candidate of each tier (free device leaf, evictable host or
+             storage copy) is in that tier's eviction heap at its current rank
+             (the tree's check; memsvc/core/evict_heap.py)
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ whole pages (``value[i*ps:(i+1)*ps]`` is one page, in order) and children are
 found by their first page of token ids. A running request locks the deepest
 node of its prefix, pinning the path to the root; tokens in locked nodes are
 *protected*, the rest *evictable*. ``evict`` frees unlocked leaves, least
-recently used first by a logical clock, so the order is deterministic.
+recently used first by a logical clock, so the order is deterministic. It pops
+them from a heap of free leaves kept up to date as the tree changes
+(:mod:`memsvc.core.evict_heap`), so it costs O(log n) a leaf, never a walk.
 
 Ownership: ``insert`` takes the slots of the new part of the key and never
 frees; the caller frees its duplicates of the part already cached. Only
@@ -18,7 +20,6 @@ what each may change, are :class:`~memsvc.core.prefix_cache.PrefixCache`'s.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 
@@ -84,6 +86,7 @@ class RadixCache(PrefixCache):
         self._num_protected_tokens = 0
         self.root = self._new_node(_EMPTY, _EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted nor counted
+        self._free_leaves = EvictionHeap(lru_rank, self._is_free_leaf)
 
     # -- sizes -----------------------------------------------------------------
 
@@ -150,6 +153,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._num_protected_tokens -= len(node.key)
                 self._num_evictable_tokens += len(node.key)
+                self._touch(node)
             node = node.parent
 
     # -- eviction --------------------------------------------------------------
@@ -168,20 +172,15 @@ class RadixCache(PrefixCache):
             raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
         if num_tokens == 0:
             return 0
-        leaves = [n for n in self.iter_nodes() if self._is_free_leaf(n)]
-        heap = [(leaf.last_access_time, leaf.node_id, leaf) for leaf in leaves]
-        heapq.heapify(heap)
         num_evicted = 0
         freed_values = []
-        while num_evicted < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+        while num_evicted < num_tokens and (leaf := self._free_leaves.pop()) is not None:
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key)]
             leaf.parent = None  # marks it detached: lock/unlock refuse it from now on
             freed_values.append(leaf.value)
             num_evicted += len(leaf.key)
-            if self._is_free_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+            self._touch(parent)  # a leaf now, maybe
         self._num_evictable_tokens -= num_evicted
         if freed_values:
             self.allocator.free(np.concatenate(freed_values))
@@ -305,6 +304,7 @@ class RadixCache(PrefixCache):
                 )
             self._count_device_node(node, where, num_tokens)
         self._check_counters(num_tokens)
+        self._check_eviction_heaps()
 
     def check_idle(self) -> None:
         """Nothing beyond :meth:`check`: this cache has no lower tier."""
@@ -377,6 +377,7 @@ class RadixCache(PrefixCache):
             if child is None:
                 break
             child.last_access_time = self._clock
+            self._touch(child)
             common = common_prefix_len(child.key, key[matched_len:], self.page_size)
             if common < len(child.key):
                 child = self._split(child, common)
@@ -395,6 +396,7 @@ class RadixCache(PrefixCache):
             leaf.last_access_time = self._clock
             node.children[self._page_key(leaf.key)] = leaf
             self._num_evictable_tokens += len(leaf.key)
+            self._touch(leaf)
             values.append(leaf.value)
             node = leaf
         return prefix_len, node, values
@@ -413,10 +415,31 @@ class RadixCache(PrefixCache):
         node.value = node.value[split_len:]
         node.parent = upper
         upper.children[self._page_key(node.key)] = node
+        self._touch(upper)
+        self._touch(node)
         return upper
 
     def _is_free_leaf(self, node: TreeNode) -> bool:
-        return node is not self.root and not node.children and node.lock_ref == 0
+        return (
+            node.parent is not None  # neither the root nor evicted
+            and not node.children
+            and node.lock_ref == 0
+        )
+
+    def _touch(self, node: TreeNode) -> None:
+        """``node`` may have become evictable or changed its LRU rank: record it (each
+        eviction heap checks whether it is a candidate there)."""
+        self._free_leaves.push(node)
+
+    def _check_eviction_heaps(self) -> None:
+        self._check_heap(self._free_leaves, self._is_free_leaf, "free leaves")
+
+    def _check_heap(self, heap: EvictionHeap, is_candidate, what: str) -> None:
+        """Every candidate of a tier is in its eviction heap at its current rank."""
+        recorded = {id(n) for n in heap.candidates()}
+        for node in self.iter_nodes():
+            if is_candidate(node) and id(node) not in recorded:
+                raise IntegrityError(f"node {node.node_id}: one of the {what}, not in its heap")
 
     def _check_attached(self, node: TreeNode) -> None:
         if node.parent is None and node is not self.root:
