@@ -70,7 +70,6 @@ the host arena, storage keys and the copy jobs (storage reads verified there);
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from typing import Any
 
@@ -213,6 +212,7 @@ class HiRadixCache(TieredTree):
         node.value = self.allocator.pages_to_slots(pages)
         node.load_fence = fence
         self._num_evictable_tokens += len(node.key)  # off-device nodes are never locked
+        self._touch(node)
 
     # -- insert and back up (the write policies) ------------------------------------
 
@@ -228,6 +228,7 @@ class HiRadixCache(TieredTree):
             node.value = slots[at : at + len(node.key)].copy()
             node.load_fence = None
             self._num_evictable_tokens += len(node.key)
+            self._touch(node)
             at += len(node.key)
         node = path[-1] if path else self.root
         values = [n.value for n in path]
@@ -237,6 +238,7 @@ class HiRadixCache(TieredTree):
             leaf.last_access_time = self._clock
             node.children[self._page_key(leaf.key)] = leaf
             self._num_evictable_tokens += len(leaf.key)
+            self._touch(leaf)
             values.append(leaf.value)
             node = leaf
             new.append(leaf)
@@ -266,14 +268,6 @@ class HiRadixCache(TieredTree):
 
     # -- device eviction -------------------------------------------------------------
 
-    def _is_device_leaf(self, node: TreeNode) -> bool:
-        return (
-            node is not self.root
-            and node.lock_ref == 0
-            and bool(node.value.size)
-            and not any(c.value.size for c in node.children.values())
-        )
-
     def evict(self, num_tokens: int) -> int:
         if num_tokens < 0:
             raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
@@ -281,20 +275,14 @@ class HiRadixCache(TieredTree):
 
     def _evict_device(self, num_tokens: int, protect: set[int]) -> int:
         """Free device leaves, LRU first; a leaf keeps its host / storage copy if it has one."""
-        heap = [
-            (n.last_access_time, n.node_id, n) for n in self.iter_nodes() if self._is_device_leaf(n)
-        ]
-        heapq.heapify(heap)
         evicted = 0
-        while evicted < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while evicted < num_tokens and (node := self._free_leaves.pop()) is not None:
             if self._load_state(node) == "failed":
                 self.split_failed(node)  # its good pages stay, in a node of their own
             parent = node.parent
             evicted += len(node.key)
             self._evict_device_node(node, protect)
-            if self._is_device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+            self._touch(parent)  # a device leaf now, maybe
         return evicted
 
     def _evict_device_node(self, node: TreeNode, protect: set[int]) -> None:
@@ -314,6 +302,7 @@ class HiRadixCache(TieredTree):
         node.value = _EMPTY
         node.load_fence = None
         self._num_evictable_tokens -= len(node.key)
+        self._touch(node)  # its host copy now ranks before those of device nodes
         self.allocator.free(slots)  # pending behind any copy still reading or writing them
         if node.host_pages is None and not node.on_disk:
             self._drop_subtree(node)

@@ -13,7 +13,6 @@ which is the cache to use (``TieredTree`` alone inherits the device-only
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import numpy as np
 from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
 from memsvc.core.backends.base import KVBuffers
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
@@ -38,6 +38,11 @@ class HiTreeNode(TreeNode):
     hashes: list[str] | None = None  # storage keys, one per page (computed on demand)
     hit_count: int = 0
     load_fence: CopyFence | None = None  # the copy loading ``value`` (None: no load)
+
+
+def _host_rank(node: TreeNode) -> tuple[bool, int]:
+    """The host tier's LRU puts the copies of device nodes last."""
+    return bool(node.value.size), node.last_access_time
 
 
 class TieredTree(RadixCache):
@@ -73,6 +78,11 @@ class TieredTree(RadixCache):
         self._storage_keys: set[str] = set()
         self.stats = HiCacheStats()
         self.copies = TierCopies(buffers, allocator, self.host, self.stats)
+        # Each tier's eviction candidates (evict_heap.py): device leaves, host copies,
+        # storage copies that may go.
+        self._free_leaves = EvictionHeap(lru_rank, self._is_device_leaf)
+        self._host_heap = EvictionHeap(_host_rank, self._host_evictable)
+        self._storage_heap = EvictionHeap(lru_rank, self._storage_evictable)
 
     def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
         self._num_nodes_created += 1
@@ -81,6 +91,26 @@ class TieredTree(RadixCache):
     def settle(self) -> None:
         """Wait for every copy issued so far."""
         self.copies.settle()
+
+    # -- eviction candidates -----------------------------------------------------------
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None  # neither the root nor dropped
+            and node.lock_ref == 0
+            and bool(node.value.size)
+            and not any(c.value.size for c in node.children.values())
+        )
+
+    def _touch(self, node: TreeNode) -> None:
+        self._free_leaves.push(node)
+        self._host_heap.push(node)
+        self._storage_heap.push(node)
+
+    def _check_eviction_heaps(self) -> None:
+        self._check_heap(self._free_leaves, self._is_device_leaf, "device leaves")
+        self._check_heap(self._host_heap, self._host_evictable, "evictable host copies")
+        self._check_heap(self._storage_heap, self._storage_evictable, "evictable storage copies")
 
     # -- node placement --------------------------------------------------------------
 
@@ -96,6 +126,7 @@ class TieredTree(RadixCache):
         upper.on_disk = node.on_disk
         upper.hit_count = node.hit_count
         upper.load_fence = node.load_fence
+        self._touch(upper)  # a candidate of the lower tiers too, now that it holds copies
         return upper
 
     def _hashes(self, node: TreeNode) -> list[str]:
@@ -138,6 +169,7 @@ class TieredTree(RadixCache):
         dev_pages = node.value[:: self.page_size] // self.page_size
         self.copies.to_host(dev_pages, host_pages)
         node.host_pages = host_pages
+        self._touch(node)
         self.stats.backup_bytes += num_pages * self.page_bytes
         self.stats.backup_tokens += len(node.key)
         self.stats.backups += 1
@@ -165,18 +197,12 @@ class TieredTree(RadixCache):
 
     def _evict_host(self, num_pages: int, protect: set[int]) -> None:
         """Host LRU, copies of device nodes last: demote to storage (if any), else free the
-        copy of a device node, else drop a host-only leaf."""
-        heap = [
-            (bool(n.value.size), n.last_access_time, n.node_id, n)
-            for n in self.iter_nodes()
-            if id(n) not in protect and self._host_evictable(n)
-        ]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            *_, node = heapq.heappop(heap)
-            if node.parent is None or not self._host_evictable(node):
-                continue  # dropped meanwhile
+        copy of a device node, else drop a host-only leaf. Each candidate is tried once."""
+        freed, kept = 0, {}
+        while freed < num_pages and (node := self._host_heap.pop()) is not None:
+            if id(node) in protect or id(node) in kept:
+                kept[id(node)] = node
+                continue
             pages = node.host_pages
             if node.on_disk:
                 self._free_host(node)
@@ -185,16 +211,13 @@ class TieredTree(RadixCache):
             elif node.value.size:
                 self._free_host(node)
             elif not node.children:
-                parent = node.parent
-                self._drop_subtree(node)
-                if id(parent) not in protect and self._host_evictable(parent):
-                    heapq.heappush(
-                        heap,
-                        (bool(parent.value.size), parent.last_access_time, parent.node_id, parent),
-                    )
+                self._drop_subtree(node)  # its parent may be a candidate now
             else:
+                kept[id(node)] = node  # it could not go: it stays a candidate
                 continue
             freed += pages.size
+        for node in kept.values():
+            self._host_heap.push(node)
 
     def _free_host(self, node: TreeNode) -> None:
         self.host.free(node.host_pages)
@@ -209,6 +232,7 @@ class TieredTree(RadixCache):
         self.copies.to_storage(self.storage, node.host_pages.copy(), keys)
         self._storage_keys.update(keys)
         node.on_disk = True
+        self._touch(node)
         self.stats.storage_write_bytes += num_pages * self.page_bytes
         self._free_host(node)
         return True
@@ -226,24 +250,18 @@ class TieredTree(RadixCache):
             return False
         if num_pages <= room:
             return True
-        heap = [
-            (n.last_access_time, n.node_id, n)
-            for n in self.iter_nodes()
-            if id(n) not in protect and self._storage_evictable(n)
-        ]
-        heapq.heapify(heap)
-        while room < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._storage_evictable(node):
+        kept = {}
+        while room < num_pages and (node := self._storage_heap.pop()) is not None:
+            if id(node) in protect:
+                kept[id(node)] = node
                 continue
             room += len(node.key) // self.page_size
             if node.value.size or node.host_pages is not None:
                 self._delete_storage(node)
             else:
-                parent = node.parent
-                self._drop_subtree(node)
-                if id(parent) not in protect and self._storage_evictable(parent):
-                    heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+                self._drop_subtree(node)  # its parent may be a candidate now
+        for node in kept.values():
+            self._storage_heap.push(node)
         return room >= num_pages
 
     def _delete_storage(self, node: TreeNode) -> None:
@@ -336,7 +354,8 @@ class TieredTree(RadixCache):
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Remove an unlocked, off-device node and everything below it from all tiers."""
-        del node.parent.children[self._page_key(node.key)]
+        parent = node.parent
+        del parent.children[self._page_key(node.key)]
         stack = [node]
         while stack:
             n = stack.pop()
@@ -350,6 +369,7 @@ class TieredTree(RadixCache):
             self.stats.dropped_tokens += len(n.key)
             n.parent = None
             n.children = {}
+        self._touch(parent)  # a leaf in some tier now, maybe
 
     # -- integrity -----------------------------------------------------------------
 
@@ -399,6 +419,7 @@ class TieredTree(RadixCache):
             )
         if len(self._storage_keys) > self.storage_capacity_pages:
             raise IntegrityError("storage tier over its cap")
+        self._check_eviction_heaps()
 
     def check_idle(self) -> None:
         """After every copy settled: the backend holds exactly the keys the tree indexes."""
