@@ -62,10 +62,10 @@ class EvictionHeap:
 
         The caller evicts it, or pushes it back when it keeps it.
         """
-        heap = self._heap
+        heap, rank_of, is_candidate = self._heap, self._rank, self._is_candidate
         while heap:
             rank, _, node = heapq.heappop(heap)
-            if self._is_current(rank, node):
+            if rank == rank_of(node) and is_candidate(node):
                 return node
         return None
 
@@ -76,7 +76,7 @@ class EvictionHeap:
                 yield node
 
     def _is_current(self, rank: Any, node: TreeNode) -> bool:
-        return self._is_candidate(node) and rank == self._rank(node)
+        return rank == self._rank(node) and self._is_candidate(node)
 
     def _compact(self) -> None:
         """Drop every stale entry and repeats (amortized: runs after as many pushes)."""
