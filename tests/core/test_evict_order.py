@@ -5,7 +5,8 @@ every call built a fresh heap of every candidate by walking the whole tree.
 The same random operations run on a cache and on its reference; after every
 step the trees must be identical (node ids, keys, slots, host pages, storage
 copies, locks, access times) and so must the free lists, so every eviction
-took the same nodes in the same order. Then: an eviction never walks the tree.
+took the same nodes in the same order (with the heaps compacted every few pushes,
+as a large tree's are). Then: an eviction never walks the tree.
 """
 
 from __future__ import annotations
@@ -20,12 +21,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memsvc.core import KVPool
+from memsvc.core import KVPool, evict_heap
 from memsvc.core.errors import IntegrityError
 from memsvc.core.hicache import HiRadixCache
 from memsvc.core.radix_cache import RadixCache
 from tests.core.test_hicache import PAGE, make_pool
 from tests.core.test_radix_cache import assert_integrity, make_cache, toks
+
+
+@pytest.fixture(autouse=True)
+def compact_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compact a heap once it passes 8 entries: small trees go through it too."""
+    monkeypatch.setattr(evict_heap, "_MIN_COMPACT", 8)
+
 
 # -- the full-walk references ----------------------------------------------------------
 
@@ -175,7 +183,10 @@ RADIX_OPS = ["insert", "insert", "match", "lock", "unlock", "evict"]
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @settings(
-    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data())
 def test_radix_evicts_in_the_full_walk_order(page_size: int, data: st.DataObject) -> None:
@@ -263,7 +274,10 @@ def hi_step(
 @pytest.mark.parametrize("policy", ["write_through", "write_back", "write_through_selective"])
 @pytest.mark.parametrize("storage", [None, "file"])
 @settings(
-    max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data())
 def test_hierarchy_evicts_in_the_full_walk_order(
