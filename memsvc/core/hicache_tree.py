@@ -9,6 +9,10 @@ writes, and the integrity check. It never decides when KV moves: matching,
 loading back, the write policies and device eviction are ``HiRadixCache``'s,
 which is the cache to use (``TieredTree`` alone inherits the device-only
 :class:`RadixCache` calls, which know nothing of the tiers).
+
+Each tier's eviction candidates live in an
+:class:`~memsvc.core.evict_heap.EvictionHeap` that every change to a node's
+tiers, children, locks or access time pushes to, so no eviction walks the tree.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ what each may change, are :class:`~memsvc.core.prefix_cache.PrefixCache`'s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -434,7 +434,9 @@ class RadixCache(PrefixCache):
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_free_leaf, "free leaves")
 
-    def _check_heap(self, heap: EvictionHeap, is_candidate, what: str) -> None:
+    def _check_heap(
+        self, heap: EvictionHeap, is_candidate: Callable[[TreeNode], bool], what: str
+    ) -> None:
         """Every candidate of a tier is in its eviction heap at its current rank."""
         recorded = {id(n) for n in heap.candidates()}
         for node in self.iter_nodes():
