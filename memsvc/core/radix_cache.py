@@ -377,10 +377,11 @@ class RadixCache(PrefixCache):
             if child is None:
                 break
             child.last_access_time = self._clock
-            self._touch(child)
             common = common_prefix_len(child.key, key[matched_len:], self.page_size)
             if common < len(child.key):
-                child = self._split(child, common)
+                child = self._split(child, common)  # records both halves at the new time
+            else:
+                self._touch(child)
             path.append(child)
             matched_len += common
             node = child
