@@ -176,12 +176,12 @@ class DecodeEngine(Engine):
             return False
         retractable = [r for r in self.running if r not in resumed]
         freeable = sum(map(self._held, retractable))
+        need = self._single_need(retractable, [*self.transfer.values(), *resumed])
         started = False
         while self.prealloc:
             if len(self.running) + len(self.transfer) >= self.config.max_running_requests:
                 break
             req = self.prealloc[0]
-            need = self._single_need(retractable, [*self.transfer.values(), *resumed])
             allocatable = self._allocatable(count_retracted=True, need=need)
             gate = max(self._required(req), self._final_len(req) - freeable)
             if gate > allocatable and not self._alone_fits(req, allocatable):
@@ -197,6 +197,9 @@ class DecodeEngine(Engine):
             self.prealloc.popleft()
             self._rows[req.rid] = row
             self.transfer[req.bootstrap_room] = req
+            # It joins the held requests of _single_need: one more term in the maximum
+            # (a need below 0 keeps back nothing beside R x n_active, as 0 does).
+            need = max(need, self._final_len(req) - self._held(req) - freeable)
             self.stats.prealloc_reqs += 1
             self._event("prealloc", req)
             started = True
