@@ -75,7 +75,7 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Flag:
-    """One flag of a config class, for the field at ``path`` (field names, outermost first).
+    """One flag of a config class.
 
     Its values on the command line and in an argparse namespace are in the flag's
     units and plain (``str`` for an enum); :meth:`field_value` turns one into the
@@ -83,7 +83,6 @@ class Flag:
     """
 
     name: str
-    path: tuple[str, ...]
     help: str
     default: Any  # argparse's: in the flag's units
     required: bool = False
@@ -142,7 +141,6 @@ def _dest(name: str) -> str:
 def flags(
     cls: type,
     *,
-    path: tuple[str, ...] = (),
     group: str | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[Flag]:
@@ -157,13 +155,11 @@ def flags(
             part_group = meta.get("group", group)
             if "switch" in meta:
                 forward = meta.get("forward", False)
-                switch = Flag(meta["switch"], (*path, f.name), meta["help"], False, switch=True)
+                switch = Flag(meta["switch"], meta["help"], False, switch=True)
                 out.append(dataclasses.replace(switch, group=part_group, forward=forward))
-            out += flags(
-                meta["part"], path=(*path, f.name), group=part_group, overrides=meta.get("fields")
-            )
+            out += flags(meta["part"], group=part_group, overrides=meta.get("fields"))
         elif "help" in meta:
-            out.append(_flag(f, meta, hints[f.name], (*path, f.name), group))
+            out.append(_flag(f, meta, hints[f.name], group))
     return out
 
 
@@ -181,9 +177,7 @@ def _fields(
         yield f, meta
 
 
-def _flag(
-    f: dataclasses.Field, meta: Mapping[str, Any], hint: Any, path: tuple[str, ...], group: Any
-) -> Flag:
+def _flag(f: dataclasses.Field, meta: Mapping[str, Any], hint: Any, group: Any) -> Flag:
     kind = _unwrap_optional(hint)
     enum_type = kind if isinstance(kind, type) and issubclass(kind, enum.Enum) else None
     if "default" in meta:
@@ -207,7 +201,6 @@ def _flag(
         choices = tuple(m.value for m in enum_type)
     return Flag(
         meta.get("flag", "--" + f.name.replace("_", "-")),
-        path,
         meta["help"],
         default,
         required=required,
@@ -284,7 +277,7 @@ def _kwargs(
                     types.MappingProxyType(given) if meta.get("partial") else part(**given)
                 )
         elif "help" in meta:
-            flag = _flag(f, meta, hints[f.name], (f.name,), None)
+            flag = _flag(f, meta, hints[f.name], None)
             if flag.dest in values:
                 kwargs[f.name] = flag.field_value(values[flag.dest])
             elif "default" in meta:
