@@ -62,11 +62,9 @@ PART_KEYS = {"part", "group", "fields", "switch", "help", "partial", "forward"}
 def setting(default: Any = dataclasses.MISSING, help: str = "", **metadata: Any) -> Any:
     """A dataclass field that is a flag: ``help`` and the metadata keys above.
 
-    No ``default``: a required flag. ``default_factory`` goes to the field.
+    No ``default``: a required flag.
     """
-    factory = metadata.pop("default_factory", dataclasses.MISSING)
-    meta = {"help": help, **metadata}
-    return dataclasses.field(default=default, default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
 
 
 class SettingsError(ValueError):
