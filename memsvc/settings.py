@@ -48,7 +48,7 @@ import enum
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,25 +246,22 @@ def group_of(parser: argparse.ArgumentParser, groups: dict[str, Any], title: str
     return groups[title]
 
 
-def from_args(cls: type, args: argparse.Namespace | Mapping[str, Any], **fixed: Any) -> Any:
+def from_args(cls: type, args: argparse.Namespace | Mapping[str, Any]) -> Any:
     """``cls`` built from parsed flags (by argparse ``dest``; one absent keeps the field's
-    default); ``fixed``: fields given outright."""
+    default)."""
     values = vars(args) if isinstance(args, argparse.Namespace) else args
-    return cls(**{**_kwargs(cls, values, skip=fixed.keys()), **fixed})
+    return cls(**_kwargs(cls, values))
 
 
 def _kwargs(
     cls: type,
     values: Mapping[str, Any],
-    skip: Iterable[str] = (),
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The fields of ``cls`` that ``values`` give, through its flags and its parts'."""
     kwargs: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     for f, meta in _fields(cls, overrides):
-        if f.name in skip:
-            continue
         if "part" in meta:
             part = meta["part"]
             given = _kwargs(part, values, overrides=meta.get("fields"))
