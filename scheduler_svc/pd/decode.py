@@ -133,8 +133,9 @@ class DecodeEngine(Engine):
         """Load retracted requests back, FIFO with head-of-line blocking; returns them.
 
         The budget is re-read from the pool before each one, and those already
-        resumed count among the active requests (SGLang 0.5.23's
-        ``extra_reserved_reqs``).
+        resumed count among the active requests: their slots and reserve leave
+        it as SGLang 0.5.23 takes ``required + R`` off a budget read once
+        (docs/sglang-differences.md, row 26).
         """
         resumed: list[Req] = []
         while self.retracted:
