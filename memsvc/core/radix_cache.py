@@ -20,16 +20,17 @@ what each may change, are :class:`~memsvc.core.prefix_cache.PrefixCache`'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE, PageAllocator
-from memsvc.core.errors import IntegrityError, InvalidArgumentError
+from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
+from memsvc.core.radix_check import TreeChecks
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -72,7 +73,7 @@ def _as_int_array(values: object, what: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-class RadixCache(PrefixCache):
+class RadixCache(TreeChecks, PrefixCache):
     """Prefix tree of token ids over a ``PageAllocator``'s slots. Synchronous, no I/O."""
 
     def __init__(self, allocator: PageAllocator, *, disabled: bool = False) -> None:
@@ -288,67 +289,8 @@ class RadixCache(PrefixCache):
             yield node
             stack.extend(node.children.values())
 
-    def check(self) -> None:
-        """Raise ``IntegrityError`` unless the tree's shape, locks and counters agree.
-
-        Which pages are where is the pool's check (it counts ``iter_nodes`` pages).
-        """
-        self._check_root()
-        if self.disabled and self.root.children:
-            raise IntegrityError("a disabled cache holds nodes")
-        num_tokens = {True: 0, False: 0}  # by "is locked"
-        for node, where in self._checked_nodes():
-            if len(node.key) != len(node.value):
-                raise IntegrityError(
-                    f"{where}: key/value lengths {len(node.key)}/{len(node.value)}"
-                )
-            self._count_device_node(node, where, num_tokens)
-        self._check_counters(num_tokens)
-        self._check_eviction_heaps()
-
     def check_idle(self) -> None:
         """Nothing beyond :meth:`check`: this cache has no lower tier."""
-
-    def _check_root(self) -> None:
-        root = self.root
-        if root.lock_ref != 1 or len(root.key) or root.parent is not None:
-            raise IntegrityError("the root must be empty, parentless and hold lock_ref 1")
-
-    def _checked_nodes(self) -> Iterator[tuple[TreeNode, str]]:
-        """Every node below the root, parents first, with its name for messages, once its
-        links, its whole-page key and its lock count (never above its parent's) are checked."""
-        root, ps = self.root, self.page_size
-        stack = [root]
-        while stack:
-            parent = stack.pop()
-            for page_key, node in parent.children.items():
-                where, key_len = f"node {node.node_id}", len(node.key)
-                if node.parent is not parent or self._page_key(node.key) != page_key:
-                    raise IntegrityError(f"{where}: wrong parent link or child key")
-                if not key_len or key_len % ps:
-                    raise IntegrityError(f"{where}: key length {key_len}")
-                if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
-                    raise IntegrityError(
-                        f"{where}: lock_ref {node.lock_ref}, parent's {parent.lock_ref}"
-                    )
-                yield node, where
-                stack.append(node)
-
-    def _count_device_node(self, node: TreeNode, where: str, num_tokens: dict) -> None:
-        """Check a node's device slots are whole page runs, and count them as locked or not."""
-        try:
-            self._check_page_runs(node.value, where)
-        except InvalidArgumentError as exc:
-            raise IntegrityError(str(exc)) from exc
-        num_tokens[node.lock_ref > 0] += len(node.key)
-
-    def _check_counters(self, num_tokens: dict) -> None:
-        counters = (self._num_evictable_tokens, self._num_protected_tokens)
-        if counters != (num_tokens[False], num_tokens[True]):
-            raise IntegrityError(
-                f"(evictable, protected) counters say {counters}, the tree holds"
-                f" {(num_tokens[False], num_tokens[True])}"
-            )
 
     # -- internals -----------------------------------------------------------------
 
@@ -434,15 +376,6 @@ class RadixCache(PrefixCache):
 
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_free_leaf, "free leaves")
-
-    def _check_heap(
-        self, heap: EvictionHeap, is_candidate: Callable[[TreeNode], bool], what: str
-    ) -> None:
-        """Every candidate of a tier is in its eviction heap at its current rank."""
-        recorded = {id(n) for n in heap.candidates()}
-        for node in self.iter_nodes():
-            if is_candidate(node) and id(node) not in recorded:
-                raise IntegrityError(f"node {node.node_id}: one of the {what}, not in its heap")
 
     def _check_attached(self, node: TreeNode) -> None:
         if node.parent is None and node is not self.root:
