@@ -32,13 +32,18 @@ SUBCOMMANDS = {
 }
 
 
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not a flag."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstack",
         description="kvstack: a KV-cache memory manager for LLM serving, and its stack.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = chosen_command(argv)
     parser.subcommands = {}  # name -> its parser, for errors in its own usage
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(
@@ -57,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     whose error would print ``kvstack``'s usage, not the subcommand's.)
     """
     parser = build_parser(argv)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
+    chosen = chosen_command(argv)
     if chosen in parser.subcommands:  # its --config FILE, if it takes one, gives defaults
         apply_config_file(parser.subcommands[chosen], argv[argv.index(chosen) + 1 :])
     args, unknown = parser.parse_known_args(argv)
