@@ -213,6 +213,7 @@ def test_bad_input_gets_a_coded_error_and_changes_nothing(service, frames, code)
         ("free_row", None, {"rid": "ghost"}, "unknown_request"),
         ("alloc_row", None, {"rid": "a"}, "duplicate_request"),
         ("retract", {"rows": ids(1)}, {"targets": ["teleport"]}, "bad_request"),
+        ("retract", {"rows": ids(1, 2)}, {"targets": ["free"]}, "bad_request"),  # one short
     ],
 )
 def test_out_of_range_values_get_typed_errors(service, op, arrays, fields, code) -> None:
