@@ -75,7 +75,3 @@ def is_abort(header: dict) -> bool:
 
 def error_header(code: str, message: str, status_code: int) -> dict[str, Any]:
     return {"ok": False, "code": code, "message": message, "status_code": status_code}
-
-
-def error_reply(op_id: int | None, code: str, message: str, status_code: int) -> list[bytes]:
-    return wire.pack({**error_header(code, message, status_code), "op_id": op_id})

@@ -68,12 +68,12 @@ from scheduler_svc import protocol as p
 from scheduler_svc.pd.flight import (
     Flight,
     error_header,
-    error_reply,
     fingerprint,
     room_for,
 )
 from scheduler_svc.pd.node_replies import NodeReplies
 from scheduler_svc.pd.node_watch import NodeWatch
+from scheduler_svc.replies import error_reply
 from scheduler_svc.stall import wedged
 
 log = logging.getLogger("scheduler_svc.pd.router")
