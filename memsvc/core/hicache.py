@@ -282,7 +282,8 @@ class HiRadixCache(TieredTree):
             parent = node.parent
             evicted += len(node.key)
             self._evict_device_node(node, protect)
-            self._touch(parent)  # a device leaf now, maybe
+            if node.parent is not None:  # (dropped: _drop_subtree recorded the parent)
+                self._touch(parent)  # a device leaf now, maybe
         return evicted
 
     def _evict_device_node(self, node: TreeNode, protect: set[int]) -> None:
