@@ -7,7 +7,7 @@ else may be (an unknown tensor means a model this code would run wrongly).
 Failures raise :class:`CheckpointError` naming the file and the tensor.
 
 HF stores q/k projections in the "rotate_half" RoPE convention (dims ``i``
-and ``i + head_dim/2`` pair up); :func:`model_svc.model.apply_rope` uses it
+and ``i + head_dim/2`` pair up); :func:`model_svc.rope.apply_rope` uses it
 too, so the weights load unpermuted.
 """
 

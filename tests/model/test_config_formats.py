@@ -17,7 +17,7 @@ import torch
 
 from model_svc.config import CONFIG_FILE, GENERATION_CONFIG_FILE, ModelConfig, RopeScaling
 from model_svc.errors import CheckpointError
-from model_svc.model import rope_inv_freq
+from model_svc.rope import rope_inv_freq
 
 _COMMON = {
     "architectures": ["LlamaForCausalLM"],

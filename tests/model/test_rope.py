@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from model_svc.config import RopeScaling
-from model_svc.model import apply_rope, rope_inv_freq
+from model_svc.rope import apply_rope, rope_inv_freq
 from model_svc.tiny import tiny_config
 
 
