@@ -158,6 +158,7 @@ class RequestPrefixes:
         Returns the new protected (tree-owned) prefix length.
         """
         tokens = self._committed_tokens(req, token_ids)
+        self._drop_reservation(req, tokens.size)
         kv_slots = self.table.read(req.row, 0, req.kv_len)
         cached = self.tree.cache_unfinished_req(tokens, kv_slots, req.protected_len, req.last_node)
         self._hand_to_tree(req, kv_slots[req.protected_len : cached.protected_len])
@@ -178,6 +179,7 @@ class RequestPrefixes:
             if token_ids is None:
                 raise InvalidArgumentError("release with is_insert=True needs the token ids")
             tokens = self._committed_tokens(req, token_ids)
+            self._drop_reservation(req, tokens.size)
         else:
             tokens = np.zeros(req.kv_len, dtype=np.int64)  # only the length matters
         kv_slots = self.table.read(req.row, 0, req.kv_len)
@@ -198,12 +200,28 @@ class RequestPrefixes:
             )
 
     def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The token ids of ``req``'s written KV: one per position, or one fewer when the
+        last position is a decode slot reserved ahead and not written yet (the overlap
+        scheduler reserves step t+1's slot while step t runs; a request that finished
+        at step t hands it back unwritten)."""
         tokens = as_token_array(token_ids)
-        if tokens.size != req.kv_len:
+        kv_len = req.kv_len
+        if tokens.size != kv_len and not (tokens.size == kv_len - 1 >= req.protected_len):
             raise InvalidArgumentError(
-                f"{req.rid!r} has KV for {req.kv_len} tokens, got {tokens.size} token ids"
+                f"{req.rid!r} has KV for {kv_len} tokens, got {tokens.size} token ids"
             )
         return tokens
+
+    def _drop_reservation(self, req: ReqKV, written: int) -> None:
+        """Free ``req``'s positions past ``written`` (at most the one reserved ahead,
+        see :meth:`_committed_tokens`): its slot, and its page if the slot opened one."""
+        if written == req.kv_len:
+            return
+        slot = self.table.read(req.row, written, written + 1)
+        if written % self.tree.page_size == 0:
+            self.allocator.free(slot, owner=req.row)
+        self.table.write(req.row, written, np.zeros(1, dtype=SLOT_DTYPE))
+        req.kv_len = written
 
     def _hand_to_tree(self, req: ReqKV, slots: np.ndarray) -> None:
         """Pages of ``slots`` that the request still owns after an insert now belong to the tree."""
