@@ -13,6 +13,7 @@ from memsvc.core import KVPool
 from memsvc.core.errors import MemsvcError
 from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
+from memsvc.gcpolicy import apply_gc_policy
 from memsvc.handlers import MemService
 from memsvc.lifeline import die_with_parent
 from memsvc.limits import MessageLimit
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             ready_info={"epoch": service.epoch, "metrics_port": metrics_port},
             extension=service.transfer,
         )
+        apply_gc_policy()  # started: what lives now lives as long as the process
         asyncio.run(server.run())
     except MemsvcError as exc:
         print(f"memsvc: error: {exc}", file=sys.stderr)

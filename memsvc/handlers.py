@@ -21,6 +21,7 @@ import numpy as np
 from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
+from memsvc.gcpolicy import gc_state
 from memsvc.metrics import Metrics
 from memsvc.sessions import (
     REPLY_CACHE_BYTES,
@@ -272,6 +273,7 @@ class MemService:
             "transfer": self.transfer.stats() if self.transfer else None,
             "hicache": pool.hicache.stats_dict() if pool.hicache is not None else None,
             "counters": self.metrics.counters(),
+            "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
         }, None
 
     def _check(self, session: Session, msg: p.Check) -> Reply:

@@ -13,6 +13,7 @@ from memsvc.cli import add_service_args, setup_logging
 from memsvc.client import AsyncMemClient, PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
+from memsvc.gcpolicy import apply_gc_policy
 from memsvc.lifeline import die_with_parent
 from memsvc.server import check_listen_address, default_listen_address, metrics_host
 from memsvc.settings import add_arguments, add_config_argument, from_args, parse_args
@@ -135,6 +136,7 @@ async def serve(
             },
             result_cache_bytes=config.result_cache_bytes,
         )
+        apply_gc_policy()  # started: what lives now lives as long as the process
         await service.run()
         return 0
     finally:

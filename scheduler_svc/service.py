@@ -40,6 +40,7 @@ from memsvc.cli import write_ready_file
 from memsvc.client import PeerDeadError
 from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveServerKeys, secure_server
+from memsvc.gcpolicy import gc_state
 from memsvc.limits import recv_bounded_async
 from memsvc.reply_cache import ReplyCache
 from memsvc.server import remove_endpoint, serve_tasks
@@ -380,6 +381,7 @@ class SchedulerService:
             "num_waiting": len(engine.waiting),
             "progress": self.stall.report(time.monotonic()),
             "stats": engine.stats.as_dict(),
+            "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
             "recovery": {
                 **self.recovery.stats.as_dict(),
                 "model_resends": getattr(engine.model, "resends", 0),

@@ -25,6 +25,7 @@ from kvstack.stack.launch import Launcher
 from memsvc import protocol as wire
 from memsvc import rpc
 from memsvc.client import MemClient
+from memsvc.gcpolicy import THRESHOLDS
 from scheduler_svc.client import AsyncGenerateClient, GenerateClient, GenerateError
 from scheduler_svc.core import RETRACT_ABORT_MESSAGE
 from tests.procs import REPO, Stack, start_stack
@@ -190,6 +191,13 @@ def test_too_big_input_is_rejected_at_once(small_stack: Stack) -> None:
         result = client.generate([1, 2, 3], sampling={"max_new_tokens": 3, "ignore_eos": True})
         assert len(result.output_ids) == 3
     assert_idle(stack)
+
+
+def test_the_scheduler_applies_the_gc_policy_once_started(small_stack: Stack) -> None:
+    """Issue 28, item 4: the scheduler freezes what lives after start-up (see memsvc.gcpolicy)."""
+    with GenerateClient(small_stack.scheduler.address, timeout_s=10) as client:
+        state = client.info()["gc"]
+    assert state["frozen"] > 10_000 and state["thresholds"] == list(THRESHOLDS)
 
 
 def test_bad_input_gets_a_clear_error(small_stack: Stack) -> None:

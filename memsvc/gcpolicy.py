@@ -1,0 +1,57 @@
+"""How kvstack's long-running services set CPython's garbage collector (issue 28, item 4).
+
+CPython's cyclic collector runs a young collection once 700 more container
+objects (lists, dicts, tuples, instances) are alive than at the last one, and
+a full (generation-2) collection every 100 young ones, if the objects that
+survived since the last full one are at least a quarter of the rest. A full
+collection traverses every tracked object the process holds: in memsvc the
+prefix tree (every node, its children dict, its arrays), in the scheduler
+every request's state, in both everything imported. A decode step at batch
+256 allocates thousands of small containers, so with the defaults a full
+collection came every few steps, each a pause that grows with the tree: at
+batch 256 with a 5k-node tree it tripled the core step's cost.
+
+:func:`apply_gc_policy` is called once by each service's ``main`` after
+start-up (everything imported, the pool built, before the first request):
+
+- ``gc.freeze()`` moves every object alive then (modules, classes, pydantic's
+  validators, the pool's own objects) to the permanent generation, which no
+  collection traverses again: they live as long as the process anyway.
+- :data:`THRESHOLDS` make young collections rarer (each one traverses only
+  what survived since the last) and full collections rarer still.
+
+The collector stays on: a reference cycle made while serving is still
+collected, only later. kvstack's hot path makes none by design (an evicted
+tree node is unlinked from its parent, so reference counting frees it at once).
+``bench/gc_pause.py`` measures the step with and without this policy.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+# (young, middle, full): a young collection per 20,000 net new containers, a middle
+# one per 10 young, a full one per 100 middle (and only if a quarter of the
+# long-lived objects are new since the last, as CPython always requires).
+THRESHOLDS = (20_000, 10, 100)
+
+
+def apply_gc_policy() -> dict[str, Any]:
+    """Collect what start-up left, freeze what survives, set :data:`THRESHOLDS`.
+
+    Returns :func:`gc_state`. Call it once, after start-up and before serving.
+    """
+    gc.collect()  # start-up's garbage, so that it is not frozen with the rest
+    gc.freeze()
+    gc.set_threshold(*THRESHOLDS)
+    return gc_state()
+
+
+def gc_state() -> dict[str, Any]:
+    """What the collector is doing: frozen objects, thresholds, collections so far by generation."""
+    return {
+        "frozen": gc.get_freeze_count(),
+        "thresholds": list(gc.get_threshold()),
+        "collections": [s["collections"] for s in gc.get_stats()],
+    }
