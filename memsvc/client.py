@@ -31,6 +31,8 @@ from memsvc.core.backends import attach as attach_handle
 from memsvc.core.layout import PoolLayout
 from memsvc.curve import CurveClientKeys
 from memsvc.ops import (
+    AdmitMatch,
+    AdmitResult,
     AllocResult,
     PoolSizes,
     PrefixMatch,
@@ -43,6 +45,8 @@ from memsvc.protocol import RetractTarget
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 
 __all__ = [
+    "AdmitMatch",
+    "AdmitResult",
     "AllocResult",
     "AsyncMemClient",
     "Call",

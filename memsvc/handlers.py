@@ -21,6 +21,7 @@ import numpy as np
 from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
+from memsvc.handlers_batch import BatchHandlers
 from memsvc.gcpolicy import gc_state
 from memsvc.metrics import Metrics
 from memsvc.sessions import (
@@ -48,7 +49,7 @@ class ServiceConfig:
     reply_cache_bytes: int = REPLY_CACHE_BYTES  # per session, for retried ops
 
 
-class MemService:
+class MemService(BatchHandlers):
     def __init__(self, pool: KVPool, config: ServiceConfig, metrics: Metrics | None = None) -> None:
         self.pool = pool
         self.config = config
@@ -65,9 +66,12 @@ class MemService:
             "alloc_row": self._alloc_row,
             "free_row": self._free_row,
             "match_prefix": self._match_prefix,
+            "admit": self._admit,
             "alloc_extend": self._alloc_extend,
             "cache_unfinished": self._cache_unfinished,
+            "cache_unfinished_many": self._cache_unfinished_many,
             "release": self._release,
+            "release_many": self._release_many,
             "decode_step": self._decode_step,
             "retract": self._retract,
             "offload": self._offload,
@@ -320,6 +324,10 @@ class MemService:
         for rid in msg.rids:
             self._own(session, rid)
         items = list(zip(msg.rids, msg.num_tokens.tolist(), strict=True))
+        if msg.free_rids:  # the round's candidates not admitted: closed first, fits or not
+            self._own_open(session, msg.free_rids)
+            self.pool.extend_tokens_required(items)  # checks the extend before the frees
+            self._free_rows(session, msg.free_rids)
         cut = self.pool.settle_loads(msg.rids)
         if cut:  # a prefix load failed: a miss for these requests alone, said as data
             return {"fits": False, "missing": 0, "cut": cut}, None

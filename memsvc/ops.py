@@ -51,6 +51,29 @@ class PrefixMatch(NamedTuple):
     load_pending: bool = False
 
 
+class AdmitMatch(NamedTuple):
+    """One ``admit`` candidate: its row, its locked prefix split by tier, and ``pinned``,
+    what its match took from available + evictable (read around its match alone)."""
+
+    row: int
+    prefix_len: int
+    device_hit: int
+    host_hit: int
+    storage_hit: int
+    load_pending: bool
+    pinned: int
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    """``admit``'s reply: a match for each candidate opened, in order; ``out_of_rows``
+    when the one after the last had no row (it and the rest were not touched)."""
+
+    matches: list[AdmitMatch]
+    out_of_rows: bool
+    before: PoolSizes  # the pool's sizes before the first candidate was opened
+
+
 @dataclass(frozen=True)
 class RetractReply:
     retracted: list[str]
@@ -82,6 +105,25 @@ def _alloc_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> Allo
 
 def _nothing(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
     return None
+
+
+def _admit_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> AdmitResult:
+    table = arrays["matches"].reshape(-1, len(AdmitMatch._fields)).tolist()
+    matches = [
+        AdmitMatch(r, n, d, h, s, bool(pending), pin) for r, n, d, h, s, pending, pin in table
+    ]
+    return AdmitResult(matches, bool(header["out_of_rows"]), PoolSizes(*header["before"]))
+
+
+def _batch(items: Sequence[tuple[Any, ...]]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """The rids of ``(rid, token_ids, ...)`` items, and their token ids concatenated with
+    one length per rid (``None`` for none)."""
+    parts = [_as_array([] if item[1] is None else item[1]) for item in items]
+    arrays = {
+        "token_ids": _as_array(np.concatenate(parts) if parts else []),
+        "token_lens": _as_array([part.size for part in parts]),
+    }
+    return [item[0] for item in items], arrays
 
 
 class _Ops:
@@ -146,13 +188,27 @@ class _Ops:
             )
         )
 
-    def alloc_extend(self, items: Sequence[tuple[str, int]]) -> Any:
-        """New positions for each ``(rid, num_tokens)``, all or nothing -> AllocResult."""
-        rids = [rid for rid, _ in items]
+    def admit(self, items: Sequence[tuple[str, Sequence[int] | np.ndarray]]) -> Any:
+        """For each ``(rid, token_ids)`` in order: :meth:`alloc_row` then
+        :meth:`match_prefix_tiers`, in one round trip -> AdmitResult.
+
+        Stops at the first rid that gets no row. Any other failure closes
+        every rid it opened and raises.
+        """
+        rids, arrays = _batch(items)
+        return self._invoke(_Call("admit", {"rids": rids}, arrays, _admit_result))
+
+    def alloc_extend(self, items: Sequence[tuple[str, int]], free: Sequence[str] = ()) -> Any:
+        """New positions for each ``(rid, num_tokens)``, all or nothing -> AllocResult.
+
+        ``free``: rids closed first as by :meth:`free_row` (an admission round's
+        candidates not admitted), whether the extend then fits or not.
+        """
+        fields: dict[str, Any] = {"rids": [rid for rid, _ in items]}
+        if free:
+            fields["free_rids"] = list(free)
         counts = _as_array([n for _, n in items])
-        return self._invoke(
-            _Call("alloc_extend", {"rids": rids}, {"num_tokens": counts}, _alloc_result)
-        )
+        return self._invoke(_Call("alloc_extend", fields, {"num_tokens": counts}, _alloc_result))
 
     def cache_unfinished(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> Any:
         return self._invoke(
@@ -175,6 +231,27 @@ class _Ops:
         return self._invoke(
             _Call("release", {"rid": rid, "is_insert": is_insert}, arrays, _nothing)
         )
+
+    def cache_unfinished_many(self, items: Sequence[tuple[str, Sequence[int] | np.ndarray]]) -> Any:
+        """:meth:`cache_unfinished` for each ``(rid, token_ids)``, in one round trip;
+        returns the new prefix lengths."""
+        rids, arrays = _batch(items)
+        return self._invoke(
+            _Call(
+                "cache_unfinished_many",
+                {"rids": rids},
+                arrays,
+                lambda h, a: a["prefix_lens"].tolist(),
+            )
+        )
+
+    def release_many(
+        self, items: Sequence[tuple[str, Sequence[int] | np.ndarray | None, bool]]
+    ) -> Any:
+        """:meth:`release` for each ``(rid, token_ids, is_insert)``, in one round trip."""
+        rids, arrays = _batch(items)
+        fields = {"rids": rids, "is_insert": [bool(item[2]) for item in items]}
+        return self._invoke(_Call("release_many", fields, arrays, _nothing))
 
     def decode_step(self, rows: Sequence[int] | np.ndarray) -> Any:
         """Check decode memory and allocate one slot per row, in one round trip -> AllocResult."""

@@ -125,10 +125,48 @@ class MatchPrefix(Message):
     token_ids: IntArray
 
 
+def _check_batch(rids: list[str], token_lens: np.ndarray, token_ids: np.ndarray) -> None:
+    """A batch of requests with their token ids concatenated: one length per rid, no rid twice."""
+    if token_lens.size != len(rids):
+        raise ValueError("token_lens needs one length per rid")
+    if (token_lens < 0).any() or int(token_lens.sum()) != token_ids.size:
+        raise ValueError("token_lens must be >= 0 and add up to the size of token_ids")
+    if len(set(rids)) != len(rids):
+        raise ValueError("a rid appears twice in one batch")
+
+
+class Admit(Message):
+    """Open, match and lock a round's admission candidates in order (``alloc_row`` then
+    ``match_prefix`` for each): ``token_ids`` is each candidate's ids to match,
+    concatenated, ``token_lens`` their lengths. Stops at the first that gets no row."""
+
+    op: Literal["admit"]
+    rids: list[RequestId] = Field(max_length=MAX_BATCH)
+    token_ids: IntArray
+    token_lens: IntArray
+
+    @model_validator(mode="after")
+    def _one_length_per_rid(self) -> Admit:
+        _check_batch(self.rids, self.token_lens, self.token_ids)
+        return self
+
+
 class AllocExtend(Message):
+    """New positions for ``rids``, all or nothing; first, ``free_rids`` (the round's
+    candidates not admitted) are closed as by ``free_row``, whether or not it fits."""
+
     op: Literal["alloc_extend"]
     rids: list[RequestId] = Field(max_length=MAX_BATCH)
     num_tokens: IntArray
+    free_rids: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> AllocExtend:
+        if len(set(self.free_rids)) != len(self.free_rids):
+            raise ValueError("a rid appears twice in free_rids")
+        if not set(self.free_rids).isdisjoint(self.rids):
+            raise ValueError("a rid cannot be both extended and freed")
+        return self
 
 
 class CacheUnfinished(Message):
@@ -142,6 +180,38 @@ class Release(Message):
     rid: RequestId
     is_insert: bool
     token_ids: IntArray | None = None
+
+
+class CacheUnfinishedMany(Message):
+    """``cache_unfinished`` for each rid: ``token_ids`` concatenated, ``token_lens`` theirs."""
+
+    op: Literal["cache_unfinished_many"]
+    rids: list[RequestId] = Field(max_length=MAX_BATCH)
+    token_ids: IntArray
+    token_lens: IntArray
+
+    @model_validator(mode="after")
+    def _one_length_per_rid(self) -> CacheUnfinishedMany:
+        _check_batch(self.rids, self.token_lens, self.token_ids)
+        return self
+
+
+class ReleaseMany(Message):
+    """``release`` for each rid, all checked first: ``token_ids`` concatenated,
+    ``token_lens`` theirs (those of a rid not inserted are ignored)."""
+
+    op: Literal["release_many"]
+    rids: list[RequestId] = Field(max_length=MAX_BATCH)
+    is_insert: list[bool] = Field(max_length=MAX_BATCH)
+    token_ids: IntArray
+    token_lens: IntArray
+
+    @model_validator(mode="after")
+    def _one_length_per_rid(self) -> ReleaseMany:
+        if len(self.is_insert) != len(self.rids):
+            raise ValueError("is_insert needs one flag per rid")
+        _check_batch(self.rids, self.token_lens, self.token_ids)
+        return self
 
 
 class DecodeStep(Message):
@@ -248,9 +318,12 @@ Request = Annotated[
     | AllocRow
     | FreeRow
     | MatchPrefix
+    | Admit
     | AllocExtend
     | CacheUnfinished
+    | CacheUnfinishedMany
     | Release
+    | ReleaseMany
     | DecodeStep
     | Retract
     | Offload
@@ -273,9 +346,12 @@ MUTATING_OPS = frozenset(
         "alloc_row",
         "free_row",
         "match_prefix",
+        "admit",
         "alloc_extend",
         "cache_unfinished",
+        "cache_unfinished_many",
         "release",
+        "release_many",
         "decode_step",
         "retract",
         "offload",
