@@ -36,22 +36,27 @@ from typing import Any
 # long-lived objects are new since the last, as CPython always requires).
 THRESHOLDS = (20_000, 10, 100)
 
+_frozen = 0  # objects the policy froze (gc.get_freeze_count walks them all: ~1 ms)
+
 
 def apply_gc_policy() -> dict[str, Any]:
     """Collect what start-up left, freeze what survives, set :data:`THRESHOLDS`.
 
     Returns :func:`gc_state`. Call it once, after start-up and before serving.
     """
+    global _frozen
     gc.collect()  # start-up's garbage, so that it is not frozen with the rest
     gc.freeze()
     gc.set_threshold(*THRESHOLDS)
+    _frozen = gc.get_freeze_count()
     return gc_state()
 
 
 def gc_state() -> dict[str, Any]:
-    """What the collector is doing: frozen objects, thresholds, collections so far by generation."""
+    """What the collector is doing: the objects :func:`apply_gc_policy` froze (0 if it
+    did not run), thresholds, collections so far by generation. Cheap (a few µs)."""
     return {
-        "frozen": gc.get_freeze_count(),
+        "frozen": _frozen,
         "thresholds": list(gc.get_threshold()),
         "collections": [s["collections"] for s in gc.get_stats()],
     }
