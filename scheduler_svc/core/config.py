@@ -147,6 +147,11 @@ class SchedulerConfig:
         "left to generate, or its whole max_new_tokens again (SGLang); either way it is "
         "admitted if what it has left fits",
     )
+    disable_overlap_schedule: bool = _knob(
+        False,
+        "run each decode step's memsvc reservation after the forward pass instead of "
+        "during it (SGLang's flag; the overlap is on by default)",
+    )
     # SGLang environment knobs (see ENV_FIELDS), SGLang's defaults.
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14

@@ -115,6 +115,9 @@ class Req:
     already_computed: int = field(default=0, init=False)
     # Retracted with its KV (all but the last token) parked in memsvc's host store.
     host_copy: bool = field(default=False, init=False)
+    # Running: memsvc already holds the slot of its next decode position (the overlap
+    # schedule reserved it while the last step ran). Cleared by a retract.
+    slot_reserved: bool = field(default=False, init=False)
     # Sticky accounting.
     retraction_count: int = field(default=0, init=False)
     retracted_stain: bool = field(default=False, init=False)
@@ -385,7 +388,7 @@ class Req:
             self.logprob.input_vals, self.logprob.input_tops = [], []
         self.row = None
         self.prefix_len = self.extend_len = self.kv_len = self.already_computed = 0
-        self.is_chunked = self.extend_in_flight = False
+        self.is_chunked = self.extend_in_flight = self.slot_reserved = False
         self.retraction_count += 1
         self.retracted_stain = True
         # Re-queued: the waiting clock restarts (SGLang's set_wait_queue_entry_time).

@@ -10,8 +10,10 @@ be re-admitted; the last request is aborted if even it alone does not fit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from typing import Any
 
 from memsvc.client import RetractTarget
 from scheduler_svc.core import (
@@ -31,39 +33,109 @@ class DecodeRound(EngineBase):
     async def _decode_round(self) -> None:
         retracted = False
         if self.config.is_test_retract_step(self.stats.forward_passes) and len(self.running) > 1:
+            await self._drop_ahead()
             await self._retract(kv_full=False)
             retracted = True
         while self.running:
-            step = await self.mem.decode_step([r.row for r in self.running])
-            if step.fits:
+            # Rows whose slot for this step the previous step reserved ahead need none.
+            need = [r.row for r in self.running if not r.slot_reserved]
+            if not need or (await self.mem.decode_step(need)).fits:
                 break
+            if len(need) < len(self.running):  # give the slots reserved ahead back first
+                await self._drop_ahead()
+                continue
             await self._retract(kv_full=True)
             retracted = True
+        for req in self.running:
+            req.slot_reserved = False
         if not self.running:
             return
         if not retracted:
             self.ratio.decay_step()
         batch = list(self.running)
-        started = time.perf_counter()
-        result = await self.model.decode(
-            [r.row for r in batch],
-            [r.seq_len for r in batch],
-            [r.output_ids[-1] for r in batch],
-            sampling=[self._sampling(r) for r in batch],
-            pool_epoch=self.mem.epoch,
-        )
-        self.stats.decode_s += time.perf_counter() - started
+        result = await self._forward_and_reserve(batch)
         self.stats.forward_passes += 1
         self.stats.note_decode(len(batch), time.monotonic())
+        finished = []
         for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
             req.append_token(int(token))
             req.record_output_logprob(*output_logprob(result, i))
             self.stats.generated_tokens += 1
             if req.check_finished(self.eos_token_ids):
                 self.running.remove(req)
-                await self._finish(req)
+                finished.append(req)
             else:
                 self.emit(req, False)
+        for req in finished:
+            await self._finish(req)
+
+    # -- the overlap schedule ----------------------------------------------------
+
+    async def _forward_and_reserve(self, batch: list[Req]) -> Any:
+        """Run the decode forward pass of ``batch``; returns its result.
+
+        With the overlap schedule (on unless ``--disable-overlap-schedule``),
+        while the worker runs this step memsvc reserves the next step's slot
+        for each request of the batch that may still be running then: the
+        next round's ``decode_step`` is then done before it starts. A request
+        that finishes in this step hands its reserved slot back with its
+        release (its token ids stop one short of its KV); a round that needs
+        more room than is free first gives every reserved slot back
+        (:meth:`_drop_ahead`), so retract decides exactly as without overlap.
+        """
+        ahead = self._ahead_candidates(batch)
+        started = time.perf_counter()
+        forward = self.model.decode(
+            [r.row for r in batch],
+            [r.seq_len for r in batch],
+            [r.output_ids[-1] for r in batch],
+            sampling=[self._sampling(r) for r in batch],
+            pool_epoch=self.mem.epoch,
+        )
+        if not ahead:
+            result = await forward
+            self.stats.decode_s += time.perf_counter() - started
+            return result
+
+        async def timed_forward() -> Any:
+            try:
+                return await forward
+            finally:
+                self.stats.decode_s += time.perf_counter() - started
+
+        outcome = await asyncio.gather(
+            timed_forward(), self.mem.decode_step([r.row for r in ahead]), return_exceptions=True
+        )
+        result, reserved = outcome
+        if not isinstance(reserved, BaseException) and reserved.fits:
+            for req in ahead:
+                req.slot_reserved = True
+            self.stats.reserved_ahead_steps += 1
+        for failure in outcome:  # both calls are done: nothing is left running
+            if isinstance(failure, BaseException):
+                raise failure
+        return result
+
+    def _ahead_candidates(self, batch: list[Req]) -> list[Req]:
+        """The requests of ``batch`` to reserve the next step's slot for while it runs:
+        none with the overlap off or before a testing retract; else those not sure
+        to finish in this step (``max_new_tokens`` reached)."""
+        config = self.config
+        if config.disable_overlap_schedule or config.is_test_retract_step(
+            self.stats.forward_passes + 1
+        ):
+            return []
+        return [r for r in batch if len(r.output_ids) + 1 < r.sampling_params.max_new_tokens]
+
+    async def _drop_ahead(self) -> None:
+        """Give back every slot reserved ahead: each running request publishes its
+        written KV (``cache_unfinished``, one position short of its row), which
+        frees the reserved slot."""
+        for req in self.running:
+            if req.slot_reserved:
+                await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
+                req.slot_reserved = False
+                self.stats.dropped_ahead_reqs += 1
 
     # -- retract ---------------------------------------------------------------
 

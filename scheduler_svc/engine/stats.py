@@ -29,6 +29,10 @@ class EngineStats:
     generated_tokens: int = 0
     aborted_reqs: int = 0
     finished_reqs: int = 0
+    # The overlap schedule: decode steps whose slots were reserved while the previous
+    # step ran, and reserved slots given back before a retract (or a round short of room).
+    reserved_ahead_steps: int = 0
+    dropped_ahead_reqs: int = 0
     last_retracted_reqs: int = 0  # the num_retracted_reqs gauge
     last_ratio_after_retract: float | None = None
     # Wall seconds in each kind of work (where a retract's cost goes). A prefill batch
