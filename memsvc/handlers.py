@@ -105,16 +105,15 @@ class MemService(BatchHandlers):
                 reply = self._pack_ok(op_id, *self._hello(msg, now))
             else:
                 session = self.sessions.touch(msg.session, now)
-                digest = p.message_digest(frames) if op in p.MUTATING_OPS else None
-                cached = None
-                if digest is not None:
-                    cached = self.sessions.cached_reply(session, op_id, digest)
-                if cached is not None:
-                    self.metrics.retried_op()
-                    return cached
+                mutating = op in p.MUTATING_OPS
+                if mutating:
+                    cached = self.sessions.cached_reply(session, op_id, frames)
+                    if cached is not None:
+                        self.metrics.retried_op()
+                        return cached
                 reply = self._pack_ok(op_id, *self._handlers[op](session, msg))
-                if digest is not None:
-                    self.sessions.remember_reply(session, op_id, digest, reply)
+                if mutating:
+                    self.sessions.remember_reply(session, op_id, frames, reply)
             self.metrics.op_done(op, "ok", time.perf_counter() - started)
             return reply
         except p.ProtocolError as exc:

@@ -16,7 +16,6 @@ the service epoch, then the array frames it names.
 from __future__ import annotations
 
 import threading
-import zlib
 from enum import StrEnum
 from typing import Annotated, Any, Literal, get_args
 
@@ -432,19 +431,6 @@ def best_effort_op_id(frames: list[bytes]) -> int | None:
         return None
     op_id = header.get("op_id") if isinstance(header, dict) else None
     return op_id if isinstance(op_id, int) and not isinstance(op_id, bool) else None
-
-
-def message_digest(frames: list[bytes]) -> tuple[int, tuple[int, ...]]:
-    """A cheap fingerprint of a whole message (CRC-32 and frame lengths).
-
-    A retry resends the very same frames, so it has the same digest; it tells a
-    retry from another message sent under the same op_id by mistake. It is no
-    defence against a forger, who could only confuse its own session.
-    """
-    crc = 0
-    for frame in frames:
-        crc = zlib.crc32(frame, crc)
-    return crc, tuple(map(len, frames))
 
 
 def parse_request(frames: list[bytes], adapter: TypeAdapter[Any] = REQUEST_ADAPTER) -> Any:

@@ -5,9 +5,9 @@ renews the lease. A session that stays silent past its lease is expired and
 the service reclaims everything it held. Each request id belongs to the
 session that opened it, for as long as the request holds a row or a
 host-store entry. Replies to mutating ops are remembered per session by
-``op_id`` (a window bounded in count and in bytes, :class:`ReplyCache`), so a
-retried op is answered, not redone; an op_id reused for a different message is
-refused.
+``op_id``, with the request they answered (a window bounded in count and in
+bytes, :class:`ReplyCache`), so a retried op is answered, not redone; an op_id
+reused for a different message is refused.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ class OpIdReusedError(MemsvcError):
     code = "op_id_reused"
 
 
-# A message's fingerprint (see memsvc.protocol.message_digest): a retry resends the same bytes.
-Digest = tuple[int, tuple[int, ...]]
+# A request's frames, as received. A retry resends the very same bytes; keeping the
+# frames (which exist anyway) costs nothing per op, where hashing them cost a pass
+# over every byte of every mutating op (a CRC-32 and frame lengths until issue 28);
+# they are compared only when an op_id comes again, and exactly.
+Request = list[bytes]
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Session:
     lease_s: float
     last_seen: float
     rids: set[str] = field(default_factory=set)
-    replies: ReplyCache[int, tuple[Digest, list[bytes]]] = field(
+    replies: ReplyCache[int, tuple[Request, list[bytes]]] = field(
         default_factory=lambda: ReplyCache(REPLY_CACHE_SIZE, REPLY_CACHE_BYTES)
     )
     checked_rows: tuple[bytes, int] | None = None  # last row batch that passed, and when
@@ -132,8 +135,8 @@ class SessionTable:
     # -- idempotency -----------------------------------------------------------
 
     @staticmethod
-    def cached_reply(session: Session, op_id: int, digest: Digest) -> list[bytes] | None:
-        """The first reply to ``op_id`` if this is a retry of it (the same message).
+    def cached_reply(session: Session, op_id: int, request: Request) -> list[bytes] | None:
+        """The first reply to ``op_id`` if ``request`` is a retry of it (the same frames).
 
         Raises :class:`OpIdReusedError` when ``op_id`` was used by another message:
         answering it with the first reply would report an op that never ran.
@@ -141,8 +144,8 @@ class SessionTable:
         cached = session.replies.get(op_id)
         if cached is None:
             return None
-        first_digest, reply = cached
-        if first_digest != digest:
+        first_request, reply = cached
+        if first_request != request:
             raise OpIdReusedError(
                 f"op_id {op_id} was already used for another message in this session; "
                 "a retry must resend the same message, a new op needs a new op_id"
@@ -150,5 +153,8 @@ class SessionTable:
         return reply
 
     @staticmethod
-    def remember_reply(session: Session, op_id: int, digest: Digest, reply: list[bytes]) -> None:
-        session.replies.put(op_id, (digest, reply), sum(map(len, reply)))
+    def remember_reply(session: Session, op_id: int, request: Request, reply: list[bytes]) -> None:
+        """Keep ``reply`` for a retry of ``request`` (both kept as they are, not copied;
+        both count against the session's byte bound)."""
+        size = sum(map(len, reply)) + sum(map(len, request))
+        session.replies.put(op_id, (request, reply), size)
