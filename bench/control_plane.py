@@ -1,38 +1,56 @@
-"""The control plane at serving scale (issue 28, item 6): what memsvc's own work costs.
+"""The control plane at serving scale (issue 28, item 6): what memsvc and the scheduler cost.
 
 Sections, each one function in :data:`SECTIONS` that returns its table and
-its figures (``--sections`` picks some; all by default); the last line printed
-is one JSON object holding every section's figures and the machine's name.
+its figures (``--sections`` picks some; all by default; ``--quick`` makes every
+one small, for a smoke test); the last line printed is one JSON object holding
+every section's figures and the machine's name. Every comparison's baseline is
+measured in the same run, interleaved with it.
 
-``evict``: in-process, GC off, ``RadixCache.evict`` of 256 tokens from a tree
-of 5k / 20k / 100k nodes, at page size 1 and 16, against the full-walk
+``evict`` (here): in-process, GC off, ``RadixCache.evict`` of 256 tokens from a
+tree of 5k / 20k / 100k nodes, at page size 1 and 16, against the full-walk
 eviction it replaced (issue 28, item 1: every call built a heap of every free
 leaf by walking the whole tree), measured in the same run on the same tree,
 calls interleaved (so each finds the caches cold from the other's walk). The
-tree (seeded): each insert is a cached sequence cut at a random page (at most
-32 pages in) plus 1 to ``--max-tail-tokens`` tokens of fresh ones (whole pages,
-at least 1 and 4 of them), so most inserts split a node and add a leaf: at the
-default 40, page size 1 holds ~10 tokens a node, the 1M-token pool of the
-issue at 100k nodes; 4 makes leaves of 1-4 tokens, the most leaves per 256
-tokens. After every timed eviction fresh sequences refill what was evicted, so
-the tree stays at its size. Figures are medians over ``--repeats`` calls;
+tree (seeded, :class:`~control_plane_mem.Sequences`): each insert is a cached
+sequence cut at a random page (at most 32 pages in) plus 1 to
+``--max-tail-tokens`` tokens of fresh ones (whole pages, at least 1 and 4 of
+them), so most inserts split a node and add a leaf: at the default 40, page
+size 1 holds ~10 tokens a node, the 1M-token pool of the issue at 100k nodes;
+4 makes leaves of 1-4 tokens, the most leaves per 256 tokens. After every timed
+eviction fresh sequences refill what was evicted, so the tree stays at its
+size. Figures are medians over ``--repeats`` calls;
 ``evict_256_tokens_100k_nodes_ms`` is the slower page size's.
+
+``decode`` and ``retract`` (:mod:`control_plane_steps`): memsvc's
+``decode_step`` with a free and a full pool, and a retract of 32 of 256, each
+as a round trip to the memsvc process (async and sync client), in memsvc's
+in-process handler and as a bare ZMQ echo of the same frames.
+
+``admission`` and ``overlap`` (:mod:`control_plane_engine`): the engine's
+memsvc round trips to admit 64 prompts, and the share of decode step wall time
+not covered by the tiny model's forward pass, overlap schedule on and off.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import heapq
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from control_plane_engine import bench_admission, bench_overlap  # bench/, on the path
+from control_plane_mem import TreeGrower
+from control_plane_steps import BATCHES, bench_decode, bench_retract
 
 from memsvc.core.allocator import PageAllocator
 from memsvc.core.radix_cache import RadixCache
@@ -71,44 +89,6 @@ def full_walk_evict(cache: RadixCache, num_tokens: int) -> int:
     if freed:
         cache.allocator.free(np.concatenate(freed))
     return num_evicted
-
-
-class TreeGrower:
-    """Inserts seeded sequences that share prefixes (see the module docstring)."""
-
-    def __init__(self, cache: RadixCache, seed: int, max_tail_pages: int) -> None:
-        self.cache = cache
-        self.max_tail_pages = max_tail_pages
-        self.rng = np.random.default_rng(seed)
-        self.sequences: list[np.ndarray] = []
-        self.next_token = 1
-
-    def insert_one(self) -> int:
-        """Insert one sequence; returns the tokens the tree took."""
-        ps, rng = self.cache.page_size, self.rng
-        prefix = np.empty(0, dtype=np.int64)
-        if self.sequences:
-            base = self.sequences[int(rng.integers(len(self.sequences)))]
-            cut = int(rng.integers(0, min(len(base) // ps, 32) + 1)) * ps
-            prefix = base[:cut]
-        tail_len = int(rng.integers(1, self.max_tail_pages + 1)) * ps
-        tail = np.arange(self.next_token, self.next_token + tail_len, dtype=np.int64)
-        self.next_token += tail_len
-        tokens = np.concatenate([prefix, tail])
-        self.sequences.append(tokens)
-        slots = self.cache.allocator.alloc(len(tokens))
-        prefix_len = self.cache.insert(tokens, slots)
-        self.cache.allocator.free(slots[:prefix_len])
-        return len(tokens) - prefix_len
-
-    def grow_to(self, num_nodes: int) -> None:
-        while self.cache._num_nodes_created - 1 < num_nodes:  # nothing evicted yet
-            self.insert_one()
-
-    def refill(self, num_tokens: int) -> None:
-        added = 0
-        while added < num_tokens:
-            added += self.insert_one()
 
 
 def time_ms(fn: Callable[[], Any]) -> float:
@@ -160,7 +140,7 @@ def evict_case(page_size: int, num_nodes: int, args: argparse.Namespace) -> dict
 
 
 def bench_evict(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
-    rows = [evict_case(ps, n, args) for ps in PAGE_SIZES for n in args.tree_sizes]
+    rows = [evict_case(ps, n, args) for ps in args.page_sizes for n in args.tree_sizes]
     lines = [
         f"evict {EVICT_TOKENS} tokens (in-process, GC off, median of {args.repeats}, "
         f"tails of up to {args.max_tail_tokens} tokens)",
@@ -183,27 +163,80 @@ def bench_evict(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 # -- the script -------------------------------------------------------------------------
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], tuple[list[str], dict[str, Any]]]] = {
+Section = Callable[[argparse.Namespace], tuple[list[str], dict[str, Any]]]
+SECTIONS: dict[str, Section] = {
     "evict": bench_evict,
+    "decode": bench_decode,
+    "retract": bench_retract,
+    "admission": bench_admission,
+    "overlap": bench_overlap,
+}
+# --quick: every section small, for a smoke test (flags given explicitly still win).
+QUICK = {
+    "tree_sizes": [300, 1000],
+    "repeats": 3,
+    "batches": [1, 16],
+    "rounds": 2,
+    "steps": 3,
+    "pool_tokens": 200_000,
+    "retract_repeats": 3,
+    "admission_prompt_tokens": 128,
+    "admission_repeats": 1,
+    "overlap_batches": [4],
+    "overlap_steps": 3,
+    "overlap_rounds": 1,
 }
 
 
 def machine() -> str:
-    return f"{platform.machine()} {platform.processor() or platform.node()}, {os.cpu_count()} CPUs"
+    """The CPU's model name (from /proc/cpuinfo where there is one), cores, platform."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", nargs="+", choices=sorted(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--quick", action="store_true", help="every section small (smoke test)")
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=list(PAGE_SIZES))
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=list(TREE_SIZES))
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--max-tail-tokens", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    evict = parser.add_argument_group("evict")
+    evict.add_argument("--repeats", type=int, default=15)
+    evict.add_argument("--max-tail-tokens", type=int, default=40)
+    decode = parser.add_argument_group("decode and retract")
+    decode.add_argument("--pool-tokens", type=int, default=1_000_000)
+    decode.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    decode.add_argument("--rounds", type=int, default=5, help="interleaved rounds per figure")
+    decode.add_argument("--steps", type=int, default=8, help="decode steps per round and method")
+    decode.add_argument("--decode-tail-tokens", type=int, default=8)
+    decode.add_argument("--retract-repeats", type=int, default=20)
+    engine = parser.add_argument_group("admission and overlap")
+    engine.add_argument("--admission-prompt-tokens", type=int, default=2048)
+    engine.add_argument("--admission-repeats", type=int, default=5)
+    engine.add_argument("--overlap-batches", type=int, nargs="+", default=[16, 256])
+    engine.add_argument("--overlap-steps", type=int, default=10, help="decode steps per block")
+    engine.add_argument("--overlap-rounds", type=int, default=4, help="on/off block pairs")
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     result: dict[str, Any] = {"machine": machine(), "python": platform.python_version()}
     for name in args.sections:
+        started = time.monotonic()
         lines, figures = SECTIONS[name](args)
         print("\n".join(lines), flush=True)
+        print(f"({name}: {time.monotonic() - started:.0f} s)\n", flush=True)
         result.update(figures)
     print(json.dumps(result))
 
