@@ -125,6 +125,18 @@ class EngineBase:
     async def _finish(self, req: Req) -> None:
         """Cache the finished request's KV in the tree and report the result."""
         await self.mem.release(req.rid, req.fill_ids[: req.kv_len], is_insert=True)
+        self._finished(req)
+
+    async def _finish_many(self, reqs: list[Req]) -> None:
+        """:meth:`_finish` for each of ``reqs``, their releases in one round trip."""
+        if not reqs:
+            return
+        await self.mem.release_many([(r.rid, r.fill_ids[: r.kv_len], True) for r in reqs])
+        for req in reqs:
+            self._finished(req)
+
+    def _finished(self, req: Req) -> None:
+        """A finished request's KV went back to memsvc: report the result."""
         self.stats.finished_reqs += 1
         self.reqs.pop(req.rid, None)
         self.emit(req, True)

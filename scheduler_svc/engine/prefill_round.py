@@ -1,25 +1,37 @@
 """The prefill round: admit from the waiting queue, allocate, run the extend.
 
 Admission is the pure core's (:class:`~scheduler_svc.core.PrefillAdder`
-decides against memsvc's sizes); each admitted prefix stays locked in memsvc
-until the whole round is allocated in one ``alloc_extend``. A request whose
-KV waits in the host store is loaded back instead of prefilled. A request
-whose prefill is complete publishes its prompt to the prefix tree and joins
-the running batch.
+decides against memsvc's sizes). A round's admissions take two memsvc round
+trips: one ``admit`` opens, matches and locks the head of the queue (as many
+as the budget could take if each hit its whole prompt), the adder judges
+the replies in queue order exactly as if each had been matched alone, and
+one ``alloc_extend`` allocates the admitted ones and closes the rest. A
+request whose KV waits in the host store is loaded back instead of
+prefilled. After the extend, the requests whose prefill is complete publish
+their prompts to the prefix tree in one ``cache_unfinished_many`` and join
+the running batch; those that finished at once are released in one
+``release_many``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any
 
 from memsvc.core.errors import OutOfRowsError
-from memsvc.ops import PoolSizes
+from memsvc.ops import AdmitMatch, AdmitResult, PoolSizes
 from scheduler_svc.core import AddResult, PrefillAdder, Req
+from scheduler_svc.core.admission import floor_page
 from scheduler_svc.engine.base import EngineBase, output_logprob
 
 log = logging.getLogger("scheduler_svc")
+
+# Prompt tokens one admit may carry (8 bytes each): well under memsvc's message limit.
+ADMIT_MAX_TOKENS = 1 << 21
+
+Admitting = tuple[list[Req], AdmitResult]  # candidates sent in one admit, and its reply
 
 
 class PrefillRound(EngineBase):
@@ -37,22 +49,23 @@ class PrefillRound(EngineBase):
             return False
         if len(self.running) >= self.config.max_running_requests and self.chunked is None:
             return False
+        adder, chunk_len = self._new_adder(self.mem.sizes)
+        first = None
         if not self.running:
             # Sizes come with every memsvc reply; with no decode traffic they may be
-            # stale (another session may have freed pages): ask for fresh ones.
-            await self.mem.heartbeat()
-        adder = PrefillAdder(
-            self.config,
-            max(self.mem.sizes.available + self.mem.sizes.evictable, 0),
-            self.running,
-            self.ratio.current,
-            len(self.running),
-            self.chunked,
-        )
-        chunk_len = 0 if self.chunked is None else adder.add_chunked_req(self.chunked).extend_len
-        started, num_resumed = await self._admit_waiting(adder)
+            # stale (another session may have freed pages). The round's first admit
+            # reads them fresh (its reply has the sizes before it opened anything) and
+            # the budget is made again from those; with no admit to send, ask.
+            batch = self._candidates(adder)
+            if batch:
+                first = (batch, await self._admit(batch))
+                adder, chunk_len = self._new_adder(first[1].before)
+            else:
+                await self.mem.heartbeat()
+                adder, chunk_len = self._new_adder(self.mem.sizes)
+        started, num_resumed, rejected = await self._admit_waiting(adder, first)
         cut_before = self.stats.cut_prefix_reqs
-        batch = await self._allocate(chunk_len, started)
+        batch = await self._allocate(chunk_len, started, rejected)
         if not batch:
             # Resumed from the host store: nothing to compute. An admission whose
             # allocation then failed was undone: no progress (else this spins). One
@@ -61,9 +74,9 @@ class PrefillRound(EngineBase):
             return num_resumed > 0 or self.stats.cut_prefix_reqs > cut_before
         if adder.new_chunked_req in batch:
             self.chunked = adder.new_chunked_req
-        first = {id(r) for r in started if not r.retracted_stain}  # hits count on admission
+        first_ids = {id(r) for r in started if not r.retracted_stain}  # hits count on admission
         self.stats.note_prefill(
-            sum(r.prefix_len for r in batch if id(r) in first),
+            sum(r.prefix_len for r in batch if id(r) in first_ids),
             sum(r.extend_len for r in batch if not r.retracted_stain),
         )
         log.debug(
@@ -78,66 +91,141 @@ class PrefillRound(EngineBase):
         await self._run_extend(batch)
         return True
 
-    async def _admit_waiting(self, adder: PrefillAdder) -> tuple[list[Req], int]:
-        """Admit from the head of the queue; returns (started, number resumed from host).
+    def _new_adder(self, sizes: PoolSizes) -> tuple[PrefillAdder, int]:
+        """The round's budget on ``sizes``, with the in-progress chunk (if any) added
+        first; returns it and the chunk's length."""
+        adder = PrefillAdder(
+            self.config,
+            max(sizes.available + sizes.evictable, 0),
+            self.running,
+            self.ratio.current,
+            len(self.running),
+            self.chunked,
+        )
+        chunk_len = 0 if self.chunked is None else adder.add_chunked_req(self.chunked).extend_len
+        return adder, chunk_len
 
-        A started request is PREFILLING with its row and locked prefix, its
-        KV not allocated yet. Its prefix match locked that prefix in memsvc:
-        what the lock took from the evictable size (the reply says) leaves
-        the budget before the candidate is judged. A candidate not admitted
-        is unlocked again (its row freed) and ends the round.
+    async def _admit_waiting(
+        self, adder: PrefillAdder, first: Admitting | None = None
+    ) -> tuple[list[Req], int, list[str]]:
+        """Admit from the head of the queue; returns (started, number resumed from host,
+        rids opened but not admitted: the round's ``alloc_extend`` closes them).
+
+        ``first``: an admit already sent for this round. A started request is
+        PREFILLING with its row and locked prefix, its KV not allocated yet.
         """
         started: list[Req] = []
+        rejected: list[str] = []
         num_resumed = 0
-        while self.waiting and adder.could_admit(self.waiting[0]):
-            req = self.waiting[0]
-            if req.host_copy:
-                if not await self._resume_from_host(req, adder):
+        pending = first
+        while True:
+            if pending is None:
+                if not (self.waiting and adder.could_admit(self.waiting[0])):
                     break
-                self.waiting.popleft()
-                num_resumed += 1
-                continue
-            try:
-                row = await self.mem.alloc_row(req.rid)
-            except OutOfRowsError:
+                req = self.waiting[0]
+                if req.host_copy:
+                    if not await self._resume_from_host(req, adder):
+                        break
+                    self.waiting.popleft()
+                    num_resumed += 1
+                    continue
+                # After a whole batch went in, prefix hits made room past the no-hit
+                # estimate: the next batch is estimated with whole hits, and bounded.
+                hits = (len(started) * 2 + 8) if started else None
+                batch = self._candidates(adder, hits)
+                pending = (batch, await self._admit(batch))
+            batch, reply = pending
+            pending = None
+            if not self._judge(adder, batch, reply, started, rejected):
                 break
-            before = self.mem.sizes
-            prefix_len, tiers = await self._match_prefix(req)
-            pinned = _pinned_by_match(before, self.mem.sizes, loads=tiers is not None)
-            adder.lock_prefix(min(max(pinned, 0), prefix_len, adder.available_tokens))
-            decision = adder.add_one_req(req, prefix_len)
+        return started, num_resumed, rejected
+
+    def _candidates(self, adder: PrefillAdder, hits: int | None = None) -> list[Req]:
+        """The head of ``waiting`` for one admit: up to a request resumed from the host
+        store, while a scratch copy of the budget goes on; the first one it refuses is
+        in too (its real match decides). Empty if the head is refused or resumed from
+        the host store.
+
+        The scratch budget charges each candidate as if nothing of it were cached: a
+        real match costs no more, so no candidate past the first the adder refuses is
+        opened, and the round matches exactly what one match at a time would. With
+        ``hits``, at most that many candidates, each charged as if all it may match
+        were cached (fewer round trips when hits make room; a candidate past the first
+        refused may be matched, then closed unadmitted by the round's ``alloc_extend``).
+        """
+        sim = copy.copy(adder)
+        sim.admitted = list(adder.admitted)
+        batch: list[Req] = []
+        tokens = 0
+        for req in self.waiting:
+            if req.host_copy or not sim.could_admit(req):
+                break
+            tokens += req.max_prefix_len
+            if batch and (tokens > ADMIT_MAX_TOKENS or len(batch) == hits):
+                break
+            batch.append(req)
+            guess = 0 if hits is None else floor_page(max(req.max_prefix_len, 0), adder.page_size)
+            if sim.add_one_req(req, guess).result is not AddResult.CONTINUE:
+                break
+        return batch
+
+    async def _admit(self, batch: list[Req]) -> AdmitResult:
+        """Open, match and lock ``batch``'s prefixes in memsvc, in one round trip."""
+        return await self.mem.admit([(r.rid, r.fill_ids[: r.max_prefix_len]) for r in batch])
+
+    def _judge(
+        self,
+        adder: PrefillAdder,
+        batch: list[Req],
+        reply: AdmitResult,
+        started: list[Req],
+        rejected: list[str],
+    ) -> bool:
+        """Run the adder over one admit's candidates in queue order, as if each had been
+        matched alone; returns whether the next candidate may be tried.
+
+        What a candidate's lock pinned (memsvc read it around that match) leaves
+        the budget before it is judged. The first not admitted ends the round:
+        it and every candidate opened after it go to ``rejected``.
+        """
+        opened = [r.rid for r in batch[: len(reply.matches)]]
+        for i, (req, match) in enumerate(zip(batch, reply.matches, strict=False)):
+            if not adder.could_admit(req):
+                rejected.extend(opened[i:])
+                return False
+            adder.lock_prefix(min(max(match.pinned, 0), match.prefix_len, adder.available_tokens))
+            decision = adder.add_one_req(req, match.prefix_len)
             if not decision.admitted:
-                await self.mem.free_row(req.rid)
-                break
-            req.start_prefill(row, prefix_len, decision.extend_len)
-            if tiers is not None:
+                rejected.extend(opened[i:])
+                return False
+            req.start_prefill(match.row, match.prefix_len, decision.extend_len)
+            if self.hierarchical:
+                tiers = self._tiers(match)
                 req.record_cache_tiers(tiers)
                 self.stats.host_hit_tokens += tiers["host"]
                 self.stats.storage_hit_tokens += tiers.get("storage", 0)
             self.waiting.popleft()
             started.append(req)
             if decision.result is not AddResult.CONTINUE:
-                break
-        return started, num_resumed
+                rejected.extend(opened[i + 1 :])
+                return False
+        return not reply.out_of_rows
 
-    async def _match_prefix(self, req: Req) -> tuple[int, dict[str, int | str] | None]:
-        """Match and lock ``req``'s cached prefix; returns its length and, with the
-        hierarchy on, where it came from per tier (host and disk parts are loaded into
-        fresh device pages by memsvc, fenced before the extend's ``alloc_extend``)."""
-        tokens = req.fill_ids[: req.max_prefix_len]
-        if not self.hierarchical:
-            return await self.mem.match_prefix(req.rid, tokens), None
-        match = await self.mem.match_prefix_tiers(req.rid, tokens)
+    def _tiers(self, match: AdmitMatch) -> dict[str, int | str]:
+        """Where a match's prefix came from, per tier, in SGLang's keys (the host and
+        disk parts are loaded into fresh device pages by memsvc, fenced before the
+        extend's ``alloc_extend``)."""
         tiers: dict[str, int | str] = {"device": match.device_hit, "host": match.host_hit}
         backend = self.mem.hello_info["hicache"].get("storage_backend")
         if match.storage_hit or backend:  # SGLang's keys: storage ones with a storage tier
             tiers["storage"] = match.storage_hit
         if backend:
             tiers["storage_backend"] = backend
-        return match.prefix_len, tiers
+        return tiers
 
-    async def _allocate(self, chunk_len: int, started: list[Req]) -> list[Req]:
-        """Allocate this round's extends in one call; returns the batch to run.
+    async def _allocate(self, chunk_len: int, started: list[Req], rejected: list[str]) -> list[Req]:
+        """Allocate this round's extends in one call, closing ``rejected`` in it;
+        returns the batch to run.
 
         The budget makes this fit unless the pool moved since it was read
         (another session took pages) or the in-progress chunk (admitted
@@ -145,25 +233,29 @@ class PrefillRound(EngineBase):
         the last one until the rest fits; the chunk, first, goes last and is
         tried again next round. An admission whose prefix load failed in
         memsvc (``cut``) is undone whatever the room (:meth:`_requeue_cut`).
+        Each undone admission is closed by the next call.
         """
         chunked = self.chunked
         started = list(started)
+        free = list(rejected)
         while started or chunked is not None:
             items = [(r.rid, r.extend_len) for r in started]
             if chunked is not None:
                 items.insert(0, (chunked.rid, chunk_len))
-            result = await self.mem.alloc_extend(items)
+            result = await self.mem.alloc_extend(items, free)
+            free = []
             if result.fits:
                 break
             if result.cut:
-                started = await self._requeue_cut(started, result.cut)
+                started, free = self._requeue_cut(started, result.cut)
                 continue
             if not started:
                 return []
             req = started.pop()
-            await self.mem.free_row(req.rid)
+            free.append(req.rid)
             req.unschedule()
             self.waiting.appendleft(req)
+        await self._free_rows(free)
         for req in started:
             if req.retracted_stain:
                 self.cost.observe_readmit(len(req.origin_input_ids), req.prefix_len)
@@ -174,14 +266,19 @@ class PrefillRound(EngineBase):
         self.chunked = None  # until the adder says it is (still) chunked
         return [chunked, *started]
 
-    async def _requeue_cut(self, started: list[Req], cut: dict[str, int]) -> list[Req]:
+    async def _free_rows(self, rids: list[str]) -> None:
+        """Close ``rids`` as ``free_row`` does, in one round trip."""
+        if rids:
+            await self.mem.release_many([(rid, None, False) for rid in rids])
+
+    def _requeue_cut(self, started: list[Req], cut: dict[str, int]) -> tuple[list[Req], list[str]]:
         """Undo the admissions whose matched prefix memsvc cut back (a page loaded for
         it was lost or failed its checksum): they go back to the front of the queue,
         to match again (the good prefix, on the device now) and recompute the rest.
-        A miss for them alone: the rest of the batch goes on. Returns the rest."""
+        A miss for them alone: the rest of the batch goes on. Returns the rest, and
+        the rids to close."""
         again = [r for r in started if r.rid in cut]
         for req in again:
-            await self.mem.free_row(req.rid)
             req.unschedule()
         self.waiting.extendleft(reversed(again))
         self.stats.cut_prefix_reqs += len(again)
@@ -189,7 +286,7 @@ class PrefillRound(EngineBase):
             "cached prefix of %s failed to load (a storage page lost or damaged): recomputing it",
             [(r.rid, cut[r.rid]) for r in again],
         )
-        return [r for r in started if r.rid not in cut]
+        return [r for r in started if r.rid not in cut], [r.rid for r in again]
 
     async def _resume_from_host(self, req: Req, adder: PrefillAdder) -> bool:
         """Re-admit a request whose KV is in the host store: load it back, no prefill."""
@@ -238,6 +335,7 @@ class PrefillRound(EngineBase):
         self.stats.prefill_s += seconds
         self.stats.reprefill_s += seconds * num_reprefill / max(num_tokens, 1)
         self.stats.forward_passes += 1
+        prefilled: list[tuple[Req, int]] = []
         for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
             count = req.extend_len
             self.stats.prefill_tokens += count
@@ -249,21 +347,31 @@ class PrefillRound(EngineBase):
                 continue  # a chunk: the token sampled after it is not an output
             req.finish_input_logprobs()
             req.record_output_logprob(*output_logprob(result, i))
-            await self._prefilled(req, int(token))
+            prefilled.append((req, int(token)))
+        await self._prefilled(prefilled)
 
-    async def _prefilled(self, req: Req, token: int) -> None:
-        """The final prefill round sampled ``token``: start decoding (or finish)."""
-        req.append_token(token)
-        self.stats.generated_tokens += 1
-        if req.check_finished(self.eos_token_ids):
-            await self._finish(req)
-            return
-        req.start_decode()
-        # Publish the prompt to the prefix tree (SGLang's cache_unfinished_req):
-        # a retracted request later finds it there and recomputes only its tail.
-        await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
-        self.running.append(req)
-        self.emit(req, False)
+    async def _prefilled(self, prefilled: list[tuple[Req, int]]) -> None:
+        """Each request's final prefill round sampled its token: start decoding (or
+        finish). One round trip publishes them all, one releases those finished."""
+        decoding, finished = [], []
+        for req, token in prefilled:
+            req.append_token(token)
+            self.stats.generated_tokens += 1
+            if req.check_finished(self.eos_token_ids):
+                finished.append(req)
+                continue
+            req.start_decode()
+            decoding.append(req)
+        if decoding:
+            # Publish the prompts to the prefix tree (SGLang's cache_unfinished_req):
+            # a retracted request later finds its own there and recomputes only its tail.
+            await self.mem.cache_unfinished_many(
+                [(r.rid, r.fill_ids[: r.kv_len]) for r in decoding]
+            )
+        for req in decoding:
+            self.running.append(req)
+            self.emit(req, False)
+        await self._finish_many(finished)
 
 
 def _input_logprob_args(batch: list[Req]) -> dict[str, Any]:
@@ -280,12 +388,3 @@ def _input_logprob_args(batch: list[Req]) -> dict[str, Any]:
             starts.append(req.extend_len)  # none
         after.append(req.fill_ids[end] if end < len(req.fill_ids) else -1)
     return {"logprob_starts": starts, "next_token_ids": after}
-
-
-def _pinned_by_match(before: PoolSizes, after: PoolSizes, *, loads: bool) -> int:
-    """Tokens a prefix match took from available + evictable: what its lock pinned and,
-    with the hierarchy on, the fresh device pages its host / disk part was loaded into."""
-    pinned = before.evictable - after.evictable
-    if loads:
-        pinned += before.available - after.available
-    return pinned

@@ -70,7 +70,14 @@ class PrefillEngine(Engine):
         await self._abort(head, message, 400)
         return True
 
-    async def _prefilled(self, req: Req, token: int) -> None:
+    async def _prefilled(self, prefilled: list[tuple[Req, int]]) -> None:
+        """Each request whose prefill completed is sent to its decode side (nothing is
+        published here: its KV goes into the tree when the transfer is done)."""
+        for req, token in prefilled:
+            await self._send(req, token)
+
+    async def _send(self, req: Req, token: int) -> None:
+        """``req``'s prefill sampled ``token``: send its KV and the token to the decode side."""
         req.append_token(token)
         self.stats.generated_tokens += 1
         if req.bootstrap_room is None:

@@ -388,17 +388,17 @@ def test_admissions_that_get_no_pages_go_back_to_the_queue_as_they_were(service)
         b = h.submit("b", [2] * 8, 4)
         hog = await InProcessMem.connect(service, name="hog")
         await hog.alloc_row("hog")
-        match_prefix = h.engine.mem.match_prefix
+        admit = h.engine.mem.admit
 
-        async def match_then_hog(rid, token_ids):
-            prefix_len = await match_prefix(rid, token_ids)
-            if rid == "b":  # leave room for a's 2 pages only
+        async def admit_then_hog(items):
+            reply = await admit(items)
+            if "b" in [rid for rid, _ in items]:  # leave room for a's 2 pages only
                 assert (await hog.alloc_extend([("hog", hog.sizes.available - 8)])).fits
-            return prefix_len
+            return reply
 
-        h.engine.mem.match_prefix = match_then_hog
+        h.engine.mem.admit = admit_then_hog
         await h.engine.step()
-        h.engine.mem.match_prefix = match_prefix
+        h.engine.mem.admit = admit
         assert a.state is ReqState.RUNNING
         assert (b.state, b.row, b.retraction_count) == (ReqState.WAITING, None, 0)
         assert h.engine.waiting[0] is b

@@ -1,0 +1,228 @@
+"""One admission round in two memsvc round trips (issue 28, item 2).
+
+The engine's round (one ``admit``, one ``alloc_extend`` that also closes the
+candidates not admitted, one ``cache_unfinished_many``) is compared with the
+round as it was before: a ``heartbeat`` with nothing running, then
+``alloc_row`` and ``match_prefix`` per candidate and ``free_row`` for the one
+refused (:class:`PerRequestEngine`, kept here as the reference). The same
+requests are admitted in the same rounds with the same prefixes, and the
+tokens are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from memsvc.core import KVPool
+from memsvc.core.errors import OutOfRowsError
+from memsvc.handlers import MemService, ServiceConfig
+from scheduler_svc.core import (
+    AddResult,
+    PrefillAdder,
+    Req,
+    ReqState,
+    SamplingParams,
+    SchedulerConfig,
+)
+from scheduler_svc.engine import Engine
+from tests.helpers import pool_service, small_layout
+from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
+from tests.scheduler.test_engine import run
+
+
+class CountingMem(InProcessMem):
+    """Counts the memsvc ops (round trips) by name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ops: dict[str, int] = {}
+
+    def observe(self, op: str, fields: dict[str, Any], result: Any) -> None:
+        self.ops[op] = self.ops.get(op, 0) + 1
+
+
+class PerRequestEngine(Engine):
+    """The admission round before issue 28, one request at a time (the reference)."""
+
+    def _candidates(self, adder: PrefillAdder) -> list[Req]:
+        return []  # no admit: with nothing running, the round starts with a heartbeat
+
+    async def _admit_waiting(self, adder: PrefillAdder, first: Any = None) -> Any:
+        assert first is None
+        started: list[Req] = []
+        num_resumed = 0
+        while self.waiting and adder.could_admit(self.waiting[0]):
+            req = self.waiting[0]
+            if req.host_copy:
+                if not await self._resume_from_host(req, adder):
+                    break
+                self.waiting.popleft()
+                num_resumed += 1
+                continue
+            try:
+                row = await self.mem.alloc_row(req.rid)
+            except OutOfRowsError:
+                break
+            before = self.mem.sizes
+            match = await self.mem.match_prefix_tiers(req.rid, req.fill_ids[: req.max_prefix_len])
+            pinned = before.evictable - self.mem.sizes.evictable
+            if self.hierarchical:
+                pinned += before.available - self.mem.sizes.available
+            adder.lock_prefix(min(max(pinned, 0), match.prefix_len, adder.available_tokens))
+            decision = adder.add_one_req(req, match.prefix_len)
+            if not decision.admitted:
+                await self.mem.free_row(req.rid)
+                break
+            req.start_prefill(row, match.prefix_len, decision.extend_len)
+            self.waiting.popleft()
+            started.append(req)
+            if decision.result is not AddResult.CONTINUE:
+                break
+        return started, num_resumed, []
+
+
+class Stack:
+    """An engine of ``engine_cls`` on ``service``, recording each extend batch."""
+
+    def __init__(self, service: MemService, engine_cls: type[Engine], **config: Any) -> None:
+        self.service = service
+        fields = {"page_size": service.pool.page_size, "max_running_requests": 16, **config}
+        self.config = SchedulerConfig(**fields)
+        self.engine_cls = engine_cls
+        self.done: dict[str, Req] = {}
+        self.rounds: list[list[tuple[str, int, int]]] = []
+
+    async def start(self) -> Stack:
+        self.mem = await CountingMem.connect(self.service)
+        model = FakeModel(self.service.pool.table.array)
+        extend = model.extend
+
+        async def recording_extend(items, **kwargs):
+            rows = {r.row: r for r in self.engine.reqs.values()}
+            self.rounds.append([(rows[row].rid, p, len(new)) for row, p, new in items])
+            return await extend(items, **kwargs)
+
+        model.extend = recording_extend
+        self.engine = self.engine_cls(
+            self.config, self.mem, model, self._emit, capacity=self.service.pool.capacity
+        )
+        return self
+
+    def _emit(self, req: Req, finished: bool) -> None:
+        if finished:
+            self.done[req.rid] = req
+
+    def submit(self, rid: str, prompt: list[int], max_new: int) -> Req:
+        params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0})
+        req = Req(rid, prompt, params)
+        self.engine.submit(req)
+        return req
+
+    async def run(self, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if not await self.engine.step() and self.engine.idle:
+                return
+        raise AssertionError("the engine did not go idle")
+
+
+@pytest.fixture
+def big_service() -> Iterator[MemService]:
+    """Room for 64 prompts of 2k tokens at page size 16."""
+    layout = small_layout(
+        page_size=16, num_pages=8704, max_running_requests=64, max_context_len=4096
+    )
+    pool = KVPool(layout)
+    try:
+        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
+    finally:
+        pool.close()
+
+
+PROMPTS_64 = {f"p{i}": [1 + i % 7, *range(10 * i, 10 * i + 2047)] for i in range(64)}
+
+
+def first_round_ops(service: MemService, engine_cls: type[Engine]) -> tuple[dict, Stack]:
+    async def scenario() -> tuple[dict, Stack]:
+        stack = await Stack(
+            service, engine_cls, max_running_requests=64, max_prefill_tokens=1 << 18
+        ).start()
+        for rid, prompt in PROMPTS_64.items():
+            stack.submit(rid, prompt, 4)
+        await stack.engine.step()
+        ops = dict(stack.mem.ops)
+        assert all(r.state is ReqState.RUNNING for r in stack.engine.reqs.values())
+        assert len(stack.engine.running) == 64
+        await stack.run()
+        for rid, prompt in PROMPTS_64.items():
+            assert stack.done[rid].output_ids == expected_output(prompt, 4), rid
+        service.pool.check_integrity(idle=True)
+        return ops, stack
+
+    return run(scenario())
+
+
+def test_sixty_four_prompts_are_admitted_in_three_round_trips(big_service) -> None:
+    ops, stack = first_round_ops(big_service, Engine)
+    ops.pop("hello", None)
+    assert ops == {"admit": 1, "alloc_extend": 1, "cache_unfinished_many": 1}, ops
+    assert [len(r) for r in stack.rounds[:1]] == [64]
+
+
+def test_the_per_request_round_took_a_round_trip_per_request(big_service) -> None:
+    ops, _ = first_round_ops(big_service, PerRequestEngine)
+    ops.pop("hello", None)
+    assert ops == {
+        "heartbeat": 1,
+        "alloc_row": 64,
+        "match_prefix": 64,
+        "alloc_extend": 1,
+        "cache_unfinished_many": 1,
+    }, ops
+
+
+def workload() -> dict[str, tuple[list[int], int]]:
+    """Shared system prompts, retracted re-prefills, a pool too small for all at once."""
+    system = [list(range(500, 532)), list(range(700, 728))]
+    out = {}
+    for i in range(14):
+        tail = [1000 + 37 * i + k for k in range(3 + (5 * i) % 11)]
+        out[f"r{i}"] = (system[i % 2] + tail, 6 + (7 * i) % 13)
+    return out
+
+
+@pytest.mark.parametrize("chunked", [None, 16])
+def test_rounds_admit_what_the_per_request_rounds_admitted(chunked: int | None) -> None:
+    """Under budget and retract pressure, with shared prefixes: every extend batch (rid,
+    prefix, extend length) and every output are the reference's."""
+    results = []
+    for engine_cls in (PerRequestEngine, Engine):
+        with pool_service(page_size=4, num_pages=40) as service:
+
+            async def scenario(service=service, engine_cls=engine_cls) -> Stack:
+                stack = await Stack(
+                    service,
+                    engine_cls,
+                    chunked_prefill_size=chunked,
+                    max_running_requests=6,
+                    test_retract=True,
+                    test_retract_interval=3,
+                ).start()
+                for rid, (prompt, max_new) in workload().items():
+                    stack.submit(rid, prompt, max_new)
+                await stack.run()
+                service.pool.check_integrity(idle=True)
+                return stack
+
+            results.append(run(scenario()))
+    reference, batched = results
+    assert reference.engine.stats.retracted_reqs > 0, "meant to retract"
+    assert max(len(r) for r in reference.rounds) > 1, "meant to admit several per round"
+    assert batched.rounds == reference.rounds
+    for rid, (prompt, max_new) in workload().items():
+        assert batched.done[rid].output_ids == expected_output(prompt, max_new), rid
+        assert batched.done[rid].output_ids == reference.done[rid].output_ids
+    assert batched.mem.ops.get("alloc_row", 0) == 0
+    assert batched.mem.ops.get("match_prefix", 0) == 0
