@@ -68,7 +68,8 @@ SERVICE_FLAGS = {
         "help": "longest session lease (seconds) a hello may ask for",
     },
     "reply_cache_bytes": {
-        "help": "bytes of replies each session keeps to answer a retried op (and at most "
+        "help": "bytes of replies (with their requests) each session keeps to answer a "
+        "retried op (and at most "
         f"{REPLY_CACHE_SIZE} replies); the oldest go first, the newest is always kept"
     },
 }
