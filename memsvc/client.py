@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from memsvc import protocol as p
 from memsvc import rpc
@@ -311,13 +310,17 @@ class MemClient(_SocketClient):
 
 
 class AsyncMemClient(_SocketClient):
-    """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited."""
+    """asyncio client: ``mem = await AsyncMemClient.connect(addr)``; every op is awaited.
 
-    _new_context = zmq.asyncio.Context
+    Its socket is a plain one, waited on through the event loop by an
+    :class:`~memsvc.rpc.AsyncRequester` (not a ``zmq.asyncio`` socket, whose
+    futures cost about as much as the op itself).
+    """
 
     def __init__(self, address: str, **options: Any) -> None:
         """``options``: as :class:`MemClient`'s."""
         super().__init__(address, **options)
+        self._requester = rpc.AsyncRequester(self._sock)
         self._lock = asyncio.Lock()
         self._heartbeat_task: asyncio.Task | None = None
 
@@ -340,8 +343,8 @@ class AsyncMemClient(_SocketClient):
         async with self._lock:  # one request in flight: replies come back in order
             op_id, frames = state.frames(call)
             try:
-                header = await rpc.request_async(
-                    self._sock, frames, op_id, state.timeout_s, state.retries
+                header = await self._requester.request(
+                    frames, op_id, state.timeout_s, state.retries
                 )
             except rpc.NoReplyError:
                 raise state.dead(call) from None
@@ -368,6 +371,7 @@ class AsyncMemClient(_SocketClient):
                 self._state.retries, self._state.timeout_s = 0, min(self._state.timeout_s, 1.0)
                 await self._invoke(_Call("goodbye", {}, None, _nothing))
         self._state.session = None
+        self._requester.close()
         self._sock.close(0)
         self._ctx.term()
 

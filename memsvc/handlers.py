@@ -21,8 +21,8 @@ import numpy as np
 from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
-from memsvc.handlers_batch import BatchHandlers
 from memsvc.gcpolicy import gc_state
+from memsvc.handlers_batch import BatchHandlers
 from memsvc.metrics import Metrics
 from memsvc.sessions import (
     REPLY_CACHE_BYTES,
