@@ -95,6 +95,16 @@ class MemsvcMessages:
             rids = rng.sample(RIDS, rng.randint(1, 2))
             header["rids"] = rids
             arrays["num_tokens"] = np.array([rng.randint(0, 20) for _ in rids])
+            if rng.random() < 0.3:  # the round's candidates not admitted (LEGIT_RID too)
+                header["free_rids"] = rng.sample(RIDS, rng.randint(1, 2))
+        elif op in ("admit", "cache_unfinished_many", "release_many"):
+            rids = rng.sample(RIDS, rng.randint(1, 3))
+            parts = [self._tokens(rng) for _ in rids]
+            header["rids"] = rids
+            arrays["token_ids"] = np.concatenate(parts)
+            arrays["token_lens"] = np.array([part.size for part in parts])
+            if op == "release_many":
+                header["is_insert"] = [rng.random() < 0.7 for _ in rids]
         elif op in ("decode_step", "retract"):
             arrays["rows"] = self._rows(rng)
             if op == "retract":
