@@ -122,14 +122,20 @@ def check_sglang_generate_through_the_router(up, reference) -> None:
     idle_check(up["memsvc-p"], up["memsvc-d"])
 
 
-def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, checkpoint, growth):
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_decode_pressure_retracts_by_offload_and_resumes_locally(
+    launcher, checkpoint, growth, overlap
+):
+    """Token-identical to normal mode without pressure, with the overlap schedule on
+    (the default) and off (``--disable-overlap-schedule``)."""
+    off = ["--disable-overlap-schedule"] if overlap == "off" else []
     up = launcher.start_pd_stack(
         checkpoint,
         POOL,
         PD_SCHEDULER,
         # asynchronous offload copies, as on a GPU: freed pages wait for their copy
         decode_pool=[*SMALL_DECODE, "--offload-copy", "async"],
-        decode_scheduler=PRESSURE,
+        decode_scheduler=[*PRESSURE, *off],
         transfer_backend="nixl",
     )
     reqs = growth["reqs"]
@@ -140,6 +146,7 @@ def test_decode_pressure_retracts_by_offload_and_resumes_locally(launcher, check
     assert stats["retracted_reqs"] > 0, "the small decode pool should force retracts"
     assert stats["offloaded_reqs"] == stats["retracted_reqs"] == stats["loaded_reqs"]
     assert stats["reprefilled_tokens"] == 0 and stats["aborted_reqs"] == 0
+    assert (stats["reserved_ahead_steps"] > 0) is (overlap == "on")
     # The prefill node computed each prompt once: nothing for the retracted requests.
     assert state["prefill"]["stats"]["prefill_tokens"] == sum(len(p) for _, p, _ in reqs)
     # While a request was parked in the host store, no new preallocation started.

@@ -119,15 +119,18 @@ def article(big_stack: Stack) -> dict:
     return {"reqs": reqs, "results": results}
 
 
-def test_article_scenario_retract_is_transparent(launcher, checkpoint, article) -> None:
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_article_scenario_retract_is_transparent(launcher, checkpoint, article, overlap) -> None:
+    """With the overlap schedule on (the default) and off (``--disable-overlap-schedule``)."""
     reqs, want = article["reqs"], article["results"]
+    off = ["--disable-overlap-schedule"] if overlap == "off" else []
     # A low conservativeness admits on optimistic output estimates: memory runs out mid-decode.
     pressure = start_stack(
         launcher,
         checkpoint,
         SMALL_POOL,
-        name="-small",
-        scheduler=["--schedule-conservativeness", "0.3"],
+        name=f"-small-{overlap}",
+        scheduler=["--schedule-conservativeness", "0.3", *off],
     )
     got = run_all(pressure.scheduler.address, reqs)
     assert finish_ids(got) == finish_ids(want)
@@ -138,6 +141,7 @@ def test_article_scenario_retract_is_transparent(launcher, checkpoint, article) 
     with GenerateClient(pressure.scheduler.address) as client:
         stats = client.info()["stats"]
     assert stats["retracted_reqs"] == retractions and stats["reprefilled_tokens"] > 0
+    assert (stats["reserved_ahead_steps"] > 0) is (overlap == "on")
     assert_idle(pressure)
 
 
