@@ -138,11 +138,7 @@ class BatchHandlers:
         self._own_open(session, msg.rids)
         parts = split_tokens(msg.token_ids, msg.token_lens)
         for rid, tokens in zip(msg.rids, parts, strict=True):
-            kv_len = self.pool.request(rid).kv_len
-            if tokens.size != kv_len:
-                raise InvalidArgumentError(
-                    f"{rid!r} has KV for {kv_len} tokens, got {tokens.size} token ids"
-                )
+            self.pool.check_written_tokens(rid, tokens)  # all of them, before any changes
         prefix_lens = [
             self.pool.cache_unfinished(rid, tokens)
             for rid, tokens in zip(msg.rids, parts, strict=True)

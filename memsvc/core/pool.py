@@ -390,6 +390,11 @@ class KVPool:
         del self._rids_by_row[req.row]
         self.rows_generation += 1
 
+    def check_written_tokens(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Raise unless ``token_ids`` can be ``rid``'s written KV's token ids (as many as
+        its ``kv_len``, or one fewer with its next decode slot reserved ahead)."""
+        self._prefixes.committed_tokens(self.request(rid), token_ids)
+
     def check_tree_tokens(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> None:
         """Raise unless ``token_ids`` can be ``rid``'s :meth:`release_to_tree` tokens."""
         self.tree.check_can_back_up()

@@ -157,7 +157,7 @@ class RequestPrefixes:
 
         Returns the new protected (tree-owned) prefix length.
         """
-        tokens = self._committed_tokens(req, token_ids)
+        tokens = self.committed_tokens(req, token_ids)
         self._drop_reservation(req, tokens.size)
         kv_slots = self.table.read(req.row, 0, req.kv_len)
         cached = self.tree.cache_unfinished_req(tokens, kv_slots, req.protected_len, req.last_node)
@@ -178,7 +178,7 @@ class RequestPrefixes:
         if is_insert:
             if token_ids is None:
                 raise InvalidArgumentError("release with is_insert=True needs the token ids")
-            tokens = self._committed_tokens(req, token_ids)
+            tokens = self.committed_tokens(req, token_ids)
             self._drop_reservation(req, tokens.size)
         else:
             tokens = np.zeros(req.kv_len, dtype=np.int64)  # only the length matters
@@ -192,14 +192,14 @@ class RequestPrefixes:
     def check_tree_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> None:
         """Raise unless ``token_ids`` can be inserted for ``req`` (its KV's length, and
         its locked prefix's tokens first)."""
-        tokens = self._committed_tokens(req, token_ids)
+        tokens = self.committed_tokens(req, token_ids)
         locked = self.tree.path_key(req.last_node)
         if not np.array_equal(tokens[: locked.size], locked):
             raise InvalidArgumentError(
                 f"token ids of {req.rid!r} differ from the cached prefix it holds"
             )
 
-    def _committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def committed_tokens(self, req: ReqKV, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """The token ids of ``req``'s written KV: one per position, or one fewer when the
         last position is a decode slot reserved ahead and not written yet (the overlap
         scheduler reserves step t+1's slot while step t runs; a request that finished
@@ -214,7 +214,7 @@ class RequestPrefixes:
 
     def _drop_reservation(self, req: ReqKV, written: int) -> None:
         """Free ``req``'s positions past ``written`` (at most the one reserved ahead,
-        see :meth:`_committed_tokens`): its slot, and its page if the slot opened one."""
+        see :meth:`committed_tokens`): its slot, and its page if the slot opened one."""
         if written == req.kv_len:
             return
         slot = self.table.read(req.row, written, written + 1)

@@ -66,8 +66,7 @@ class DecodeRound(EngineBase):
                 finished.append(req)
             else:
                 self.emit(req, False)
-        for req in finished:
-            await self._finish(req)
+        await self._finish_many(finished)
 
     # -- the overlap schedule ----------------------------------------------------
 
@@ -128,14 +127,16 @@ class DecodeRound(EngineBase):
         return [r for r in batch if len(r.output_ids) + 1 < r.sampling_params.max_new_tokens]
 
     async def _drop_ahead(self) -> None:
-        """Give back every slot reserved ahead: each running request publishes its
-        written KV (``cache_unfinished``, one position short of its row), which
-        frees the reserved slot."""
-        for req in self.running:
-            if req.slot_reserved:
-                await self.mem.cache_unfinished(req.rid, req.fill_ids[: req.kv_len])
-                req.slot_reserved = False
-                self.stats.dropped_ahead_reqs += 1
+        """Give back every slot reserved ahead, in one round trip: each such running
+        request publishes its written KV (``cache_unfinished``, one position short
+        of its row), which frees the reserved slot."""
+        reserved = [r for r in self.running if r.slot_reserved]
+        if not reserved:
+            return
+        await self.mem.cache_unfinished_many([(r.rid, r.fill_ids[: r.kv_len]) for r in reserved])
+        for req in reserved:
+            req.slot_reserved = False
+        self.stats.dropped_ahead_reqs += len(reserved)
 
     # -- retract ---------------------------------------------------------------
 
