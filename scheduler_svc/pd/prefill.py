@@ -104,12 +104,14 @@ class PrefillEngine(Engine):
         done = await settled_rooms(self.mem, list(self.inflight))
         if not done:
             return False
+        sent = [r for r in done if r["state"] == KVPoll.SUCCESS]
+        reqs = [self.inflight.pop(report["room"]) for report in sent]
+        for req in reqs:
+            req.check_finished(self.eos_token_ids)  # max_new_tokens is 1 here
+        await self._finish_many(reqs)  # their KV into the tree, in one round trip
         for report in done:
-            req = self.inflight.pop(report["room"])
-            if report["state"] == KVPoll.SUCCESS:
-                req.check_finished(self.eos_token_ids)  # max_new_tokens is 1 here
-                await self._finish(req)
-            else:
+            if report["state"] != KVPoll.SUCCESS:
+                req = self.inflight.pop(report["room"])
                 self.stats.transfer_failed += 1
                 why = transfer_failed_message(req, report["room"], report["why"])
                 await self._abort(req, why, 500)
