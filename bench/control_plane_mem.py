@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memsvc_ops import Blocking  # bench/, on the path as the script's folder
 
 from kvstack.stack.launch import Launcher
 from memsvc import protocol as wire
@@ -179,19 +180,6 @@ class InProcClient(MemClientBase):
         return self._state.finish(call, wire.unpack(reply))
 
 
-class Blocking:
-    """An :class:`AsyncMemClient` called from sync code (the untimed set-up ops)."""
-
-    def __init__(self, client: AsyncMemClient, loop: asyncio.AbstractEventLoop) -> None:
-        self.client, self.loop = client, loop
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.client, name)
-        if not callable(attr):
-            return attr
-        return lambda *a, **k: self.loop.run_until_complete(attr(*a, **k))
-
-
 @dataclass
 class Worlds:
     """One memsvc process (``sync`` and ``aio`` sessions) and its in-process twin."""
@@ -317,13 +305,14 @@ class Batch:
     shared: np.ndarray
     own_tokens: int = OWN_TOKENS
     stagger: bool = True  # own lengths staggered over a page (else whole pages)
+    page_size: int = 1
     rows: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = np.zeros(self.size, dtype=np.int64)
 
     def own(self, i: int) -> int:
-        return self.own_tokens - (i % self.client.layout.page_size if self.stagger else 0)
+        return self.own_tokens - (i % self.page_size if self.stagger else 0)
 
     def open(self, indexes: range | None = None) -> None:
         """Open the requests ``indexes`` (all by default), their rows kept in ``rows``."""

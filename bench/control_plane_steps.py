@@ -84,7 +84,7 @@ def capture_decode_frames(pool: Pool, batches: list[int]) -> dict[int, list[byte
         shared = np.arange(SHARED_TOKEN, SHARED_TOKEN + SHARED_PREFIX)
         pin_shared_prefix(client, shared, "capture")
         for size in batches:
-            batch = Batch(client, f"capture{size}-", size, shared)
+            batch = Batch(client, f"capture{size}-", size, shared, page_size=pool.page_size)
             batch.open()
             client.decode_step(batch.rows)
             request, reply = client.frames
@@ -141,11 +141,11 @@ class DecodeBench:
         return between
 
     def batch_case(self, size: int) -> dict[str, Any]:
-        w, args = self.w, self.args
+        w, args, ps = self.w, self.args, self.w.pool.page_size
         batches = {
-            "sync": Batch(w.sync, "s", size, self.shared),
-            "async": Batch(w.blocking_aio, "a", size, self.shared),
-            "inproc": Batch(w.inproc, "i", size, self.shared),
+            "sync": Batch(w.sync, "s", size, self.shared, page_size=ps),
+            "async": Batch(w.blocking_aio, "a", size, self.shared, page_size=ps),
+            "inproc": Batch(w.inproc, "i", size, self.shared, page_size=ps),
         }
         for batch in batches.values():
             batch.open()
@@ -248,8 +248,8 @@ class RetractCase:
     """256 requests in a full pool whose next step needs one page each, and whose own
     pages are 7: memsvc's retract (FREE targets) releases exactly 32 of them."""
 
-    def __init__(self, client: Any, tag: str, shared: np.ndarray) -> None:
-        own = RETRACT_OWN_PAGES * client.layout.page_size
+    def __init__(self, client: Any, tag: str, shared: np.ndarray, page_size: int) -> None:
+        own = RETRACT_OWN_PAGES * page_size
         self.batch = Batch(client, tag, RETRACT_BATCH, shared, own, stagger=False)
         self.batch.open()
         self.targets = [RetractTarget.FREE] * RETRACT_BATCH
@@ -270,9 +270,10 @@ def time_retracts(w: Worlds, args: argparse.Namespace) -> dict[str, list[float]]
     shared = np.arange(SHARED_TOKEN, SHARED_TOKEN + SHARED_PREFIX)
     pin_shared_prefix(w.sync, shared, "shared")
     pin_shared_prefix(w.inproc, shared, "shared")
-    sync = RetractCase(w.sync, "s", shared)
-    aio = RetractCase(w.blocking_aio, "a", shared)
-    inproc = RetractCase(w.inproc, "i", shared)
+    ps = w.pool.page_size
+    sync = RetractCase(w.sync, "s", shared, ps)
+    aio = RetractCase(w.blocking_aio, "a", shared, ps)
+    inproc = RetractCase(w.inproc, "i", shared, ps)
     Filler(w.sync).take_all()
     Filler(w.inproc).take_all()
     reply = inproc.retract(w.inproc)  # a warm-up
