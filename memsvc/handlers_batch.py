@@ -31,7 +31,6 @@ from memsvc import protocol as p
 from memsvc.core.errors import (
     DuplicateRequestError,
     InvalidArgumentError,
-    MemsvcError,
     OutOfRowsError,
 )
 
@@ -146,20 +145,17 @@ class BatchHandlers:
         return {}, {"prefix_lens": np.array(prefix_lens, dtype=p.ARRAY_DTYPE)}
 
     def _release_many(self, session: Session, msg: p.ReleaseMany) -> Reply:
-        """Each release in order. The pool checks a release's token ids as it comes to it
-        and a failed one changes nothing; one failing mid-batch ends the batch, and its
-        error says how many before it were released."""
+        """Each release in order, every inserted one's token ids checked first (the
+        pool's rule: as many as its KV, or one fewer with a slot reserved ahead)."""
         self._own_open(session, msg.rids)
         parts = split_tokens(msg.token_ids, msg.token_lens)
-        done: list[str] = []
+        items = list(zip(msg.rids, msg.is_insert, parts, strict=True))
+        for rid, insert, tokens in items:
+            if insert:
+                self.pool.check_written_tokens(rid, tokens)
         try:
-            for rid, insert, tokens in zip(msg.rids, msg.is_insert, parts, strict=True):
+            for rid, insert, tokens in items:
                 self.pool.release(rid, tokens if insert else None, is_insert=insert)
-                done.append(rid)
-        except MemsvcError as exc:
-            if not done:
-                raise
-            raise type(exc)(f"{exc} (the {len(done)} requests before it were released)") from exc
         finally:
-            self._settle(*done)
+            self._settle(*msg.rids)
         return {}, None

@@ -202,7 +202,7 @@ def test_cache_unfinished_many_publishes_each_or_nothing(service):
     assert admit(c, [("a", ids()), ("b", ids())])["ok"]
     c.ok("alloc_extend", {"num_tokens": ids(9, 5)}, rids=["a", "b"])
     tokens_a, tokens_b = np.arange(9), np.arange(50, 55)
-    rids, arrays = batch([("a", tokens_a), ("b", tokens_b[:4])])
+    rids, arrays = batch([("a", tokens_a), ("b", tokens_b[:3])])
     reply = c.call("cache_unfinished_many", arrays, rids=rids)  # b's length is wrong
     assert not reply["ok"] and reply["code"] == "invalid_argument"
     assert service.pool.protected_size() == 0  # a was not published either
@@ -235,9 +235,44 @@ def test_release_many_checks_every_rid_first(service):
     _, arrays = batch([("a", np.arange(8))])
     reply = c.call("release_many", arrays, rids=["a"], is_insert=[True, False])
     assert not reply["ok"] and reply["code"] == "bad_request"  # a flag per rid
+    rids, arrays = batch([("a", np.arange(8)), ("b", np.arange(5))])  # b's ids too few
+    reply = c.call("release_many", arrays, rids=rids, is_insert=[True, True])
+    assert not reply["ok"] and reply["code"] == "invalid_argument"
+    assert service.pool.is_open("a") and service.pool.evictable_size() == 0
     rids, arrays = batch([("a", np.arange(8)), ("b", np.arange(20, 28))])
     c.ok("release_many", arrays, rids=rids, is_insert=[True, True])
     assert service.pool.evictable_size() == 16
     assert not service.pool.is_open("a") and not service.pool.is_open("b")
     other.ok("free_row", rid="theirs")
     c.ok("check", idle=True)
+
+
+def test_admit_with_the_hierarchy_counts_the_loaded_pages_as_pinned(tmp_path):
+    """A host hit is loaded into fresh device pages: they leave available, and ``pinned``
+    counts them, as the scheduler's two reads around a lone match did."""
+    from memsvc.core.hicache import HiCacheConfig
+
+    layout = small_layout(page_size=4, num_pages=16, max_running_requests=4)
+    hicache = HiCacheConfig(size_bytes=8 * layout.bytes_per_page)
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes, hicache=hicache)
+    service = MemService(pool, ServiceConfig(retract_decode_steps=4))
+    try:
+        c = Caller(service)
+        c.hello()
+        cache_prompt(c)
+        c.ok("flush_cache", device_only=True)  # device -> host
+        assert pool.evictable_size() == 0
+        available = pool.available_size()
+        reply = admit(c, [("a", PROMPT[:12]), ("b", PROMPT[:12])])
+        assert reply["ok"], reply
+        a, b = matches(reply)
+        assert (a["prefix_len"], a["device_hit"], a["host_hit"]) == (12, 0, 12)
+        assert a["pinned"] == 12 and reply["before"][0] == available
+        assert (b["prefix_len"], b["device_hit"], b["pinned"]) == (12, 12, 0)
+        assert pool.available_size() == available - 12
+        reply = c.ok("alloc_extend", {"num_tokens": ids(1)}, rids=["a"], free_rids=["b"])
+        assert reply["fits"]
+        c.ok("free_row", rid="a")
+        c.ok("check", idle=True)
+    finally:
+        pool.close()
