@@ -29,6 +29,10 @@ in-process handler and as a bare ZMQ echo of the same frames.
 ``admission`` and ``overlap`` (:mod:`control_plane_engine`): the engine's
 memsvc round trips to admit 64 prompts, and the share of decode step wall time
 not covered by the tiny model's forward pass, overlap schedule on and off.
+
+Run as a script, the process first applies :func:`memsvc.gcpolicy.apply_gc_policy`,
+as memsvc and the scheduler do once started, so that what runs in process here
+(memsvc's handler, the engine) collects garbage as it does in the services.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from control_plane_steps import BATCHES, bench_decode, bench_retract
 
 from memsvc.core.allocator import PageAllocator
 from memsvc.core.radix_cache import RadixCache
+from memsvc.gcpolicy import apply_gc_policy
 
 EVICT_TOKENS = 256
 TREE_SIZES = (5_000, 20_000, 100_000)
@@ -242,4 +247,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    apply_gc_policy()  # memsvc's and the scheduler's: the in-process sides run as they do
     main()
