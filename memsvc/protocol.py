@@ -124,30 +124,31 @@ class MatchPrefix(Message):
     token_ids: IntArray
 
 
-def _check_batch(rids: list[str], token_lens: np.ndarray, token_ids: np.ndarray) -> None:
-    """A batch of requests with their token ids concatenated: one length per rid, no rid twice."""
-    if token_lens.size != len(rids):
-        raise ValueError("token_lens needs one length per rid")
-    if (token_lens < 0).any() or int(token_lens.sum()) != token_ids.size:
-        raise ValueError("token_lens must be >= 0 and add up to the size of token_ids")
-    if len(set(rids)) != len(rids):
-        raise ValueError("a rid appears twice in one batch")
+class TokenBatch(Message):
+    """A batch of requests with their token ids: ``token_ids`` concatenated, ``token_lens``
+    one length per rid, no rid twice."""
 
-
-class Admit(Message):
-    """Open, match and lock a round's admission candidates in order (``alloc_row`` then
-    ``match_prefix`` for each): ``token_ids`` is each candidate's ids to match,
-    concatenated, ``token_lens`` their lengths. Stops at the first that gets no row."""
-
-    op: Literal["admit"]
     rids: list[RequestId] = Field(max_length=MAX_BATCH)
     token_ids: IntArray
     token_lens: IntArray
 
     @model_validator(mode="after")
-    def _one_length_per_rid(self) -> Admit:
-        _check_batch(self.rids, self.token_lens, self.token_ids)
+    def _one_length_per_rid(self) -> TokenBatch:
+        if self.token_lens.size != len(self.rids):
+            raise ValueError("token_lens needs one length per rid")
+        if (self.token_lens < 0).any() or int(self.token_lens.sum()) != self.token_ids.size:
+            raise ValueError("token_lens must be >= 0 and add up to the size of token_ids")
+        if len(set(self.rids)) != len(self.rids):
+            raise ValueError("a rid appears twice in one batch")
         return self
+
+
+class Admit(TokenBatch):
+    """Open, match and lock a round's admission candidates in order (``alloc_row`` then
+    ``match_prefix`` for each), each with its ids to match. Stops at the first that gets
+    no row."""
+
+    op: Literal["admit"]
 
 
 class AllocExtend(Message):
@@ -181,35 +182,23 @@ class Release(Message):
     token_ids: IntArray | None = None
 
 
-class CacheUnfinishedMany(Message):
-    """``cache_unfinished`` for each rid: ``token_ids`` concatenated, ``token_lens`` theirs."""
+class CacheUnfinishedMany(TokenBatch):
+    """``cache_unfinished`` for each rid."""
 
     op: Literal["cache_unfinished_many"]
-    rids: list[RequestId] = Field(max_length=MAX_BATCH)
-    token_ids: IntArray
-    token_lens: IntArray
-
-    @model_validator(mode="after")
-    def _one_length_per_rid(self) -> CacheUnfinishedMany:
-        _check_batch(self.rids, self.token_lens, self.token_ids)
-        return self
 
 
-class ReleaseMany(Message):
-    """``release`` for each rid, all checked first: ``token_ids`` concatenated,
-    ``token_lens`` theirs (those of a rid not inserted are ignored)."""
+class ReleaseMany(TokenBatch):
+    """``release`` for each rid, all checked first (the token ids of a rid not inserted
+    are ignored)."""
 
     op: Literal["release_many"]
-    rids: list[RequestId] = Field(max_length=MAX_BATCH)
     is_insert: list[bool] = Field(max_length=MAX_BATCH)
-    token_ids: IntArray
-    token_lens: IntArray
 
     @model_validator(mode="after")
-    def _one_length_per_rid(self) -> ReleaseMany:
+    def _one_flag_per_rid(self) -> ReleaseMany:
         if len(self.is_insert) != len(self.rids):
             raise ValueError("is_insert needs one flag per rid")
-        _check_batch(self.rids, self.token_lens, self.token_ids)
         return self
 
 

@@ -24,13 +24,11 @@ from scheduler_svc.core import (
     PrefillAdder,
     Req,
     ReqState,
-    SamplingParams,
-    SchedulerConfig,
 )
 from scheduler_svc.engine import Engine
 from tests.helpers import pool_service, small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
-from tests.scheduler.test_engine import run
+from tests.scheduler.test_engine import Harness, run
 
 
 class CountingMem(InProcessMem):
@@ -56,12 +54,7 @@ class PerRequestEngine(Engine):
         num_resumed = 0
         while self.waiting and adder.could_admit(self.waiting[0]):
             req = self.waiting[0]
-            if req.host_copy:
-                if not await self._resume_from_host(req, adder):
-                    break
-                self.waiting.popleft()
-                num_resumed += 1
-                continue
+            assert not req.host_copy  # these workloads retract by freeing
             try:
                 row = await self.mem.alloc_row(req.rid)
             except OutOfRowsError:
@@ -84,48 +77,30 @@ class PerRequestEngine(Engine):
         return started, num_resumed, []
 
 
-class Stack:
-    """An engine of ``engine_cls`` on ``service``, recording each extend batch."""
+class Stack(Harness):
+    """The engine tests' harness with an engine of ``engine_cls``, counting memsvc ops
+    and recording each extend batch as (rid, prefix length, extend length)."""
 
     def __init__(self, service: MemService, engine_cls: type[Engine], **config: Any) -> None:
-        self.service = service
-        fields = {"page_size": service.pool.page_size, "max_running_requests": 16, **config}
-        self.config = SchedulerConfig(**fields)
+        super().__init__(service, **config)
         self.engine_cls = engine_cls
-        self.done: dict[str, Req] = {}
         self.rounds: list[list[tuple[str, int, int]]] = []
 
     async def start(self) -> Stack:
         self.mem = await CountingMem.connect(self.service)
-        model = FakeModel(self.service.pool.table.array)
-        extend = model.extend
+        self.model = FakeModel(self.service.pool.table.array)
+        extend = self.model.extend
 
         async def recording_extend(items, **kwargs):
             rows = {r.row: r for r in self.engine.reqs.values()}
             self.rounds.append([(rows[row].rid, p, len(new)) for row, p, new in items])
             return await extend(items, **kwargs)
 
-        model.extend = recording_extend
+        self.model.extend = recording_extend
         self.engine = self.engine_cls(
-            self.config, self.mem, model, self._emit, capacity=self.service.pool.capacity
+            self.config, self.mem, self.model, self._emit, capacity=self.service.pool.capacity
         )
         return self
-
-    def _emit(self, req: Req, finished: bool) -> None:
-        if finished:
-            self.done[req.rid] = req
-
-    def submit(self, rid: str, prompt: list[int], max_new: int) -> Req:
-        params = SamplingParams(max_new_tokens=max_new, draw={"temperature": 0.0})
-        req = Req(rid, prompt, params)
-        self.engine.submit(req)
-        return req
-
-    async def run(self, max_steps: int = 5000) -> None:
-        for _ in range(max_steps):
-            if not await self.engine.step() and self.engine.idle:
-                return
-        raise AssertionError("the engine did not go idle")
 
 
 @pytest.fixture

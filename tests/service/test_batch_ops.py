@@ -48,6 +48,15 @@ def matches(reply: dict) -> list[dict[str, int]]:
     return [dict(zip(ADMIT_COLUMNS, row, strict=True)) for row in rows]
 
 
+def two_sessions(service: MemService) -> tuple[Caller, Caller]:
+    """Ours, and another session that holds the request ``theirs``."""
+    c, other = Caller(service), Caller(service)
+    c.hello()
+    other.hello()
+    other.ok("alloc_row", rid="theirs")
+    return c, other
+
+
 def cache_prompt(c: Caller) -> None:
     """PROMPT's first 12 tokens go into the tree (evictable, unlocked)."""
     c.ok("alloc_row", rid="w")
@@ -99,10 +108,7 @@ def test_admit_stops_at_the_first_candidate_without_a_row(service):
 
 
 def test_a_bad_admit_opens_nothing(service):
-    c, other = Caller(service), Caller(service)
-    c.hello()
-    other.hello()
-    other.ok("alloc_row", rid="theirs")
+    c, other = two_sessions(service)
     c.ok("alloc_row", rid="open")
     cache_prompt(c)
     too_long = np.zeros(service.pool.table.max_context_len + 1, dtype=np.int64)
@@ -175,10 +181,7 @@ def test_alloc_extend_frees_the_rejected_even_when_it_does_not_fit(service):
 
 
 def test_a_bad_alloc_extend_frees_nothing(service):
-    c, other = Caller(service), Caller(service)
-    c.hello()
-    other.hello()
-    other.ok("alloc_row", rid="theirs")
+    c, other = two_sessions(service)
     assert admit(c, [("a", ids(1)), ("b", ids(2))])["ok"]
     for counts, free, code in [
         (ids(4), ["b", "theirs"], "not_owner"),
@@ -217,10 +220,7 @@ def test_cache_unfinished_many_publishes_each_or_nothing(service):
 
 
 def test_release_many_checks_every_rid_first(service):
-    c, other = Caller(service), Caller(service)
-    c.hello()
-    other.hello()
-    other.ok("alloc_row", rid="theirs")
+    c, other = two_sessions(service)
     assert admit(c, [("a", ids()), ("b", ids())])["ok"]
     c.ok("alloc_extend", {"num_tokens": ids(8, 8)}, rids=["a", "b"])
     for rids, code in [
