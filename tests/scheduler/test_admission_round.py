@@ -26,9 +26,10 @@ from scheduler_svc.core import (
     ReqState,
 )
 from scheduler_svc.engine import Engine
-from tests.helpers import pool_service, small_layout
+from tests.helpers import small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
 from tests.scheduler.test_engine import Harness, run
+from tests.scheduler.test_hicache_engine import hicache_service
 
 
 class CountingMem(InProcessMem):
@@ -168,13 +169,16 @@ def workload() -> dict[str, tuple[list[int], int]]:
     return out
 
 
-@pytest.mark.parametrize("chunked", [None, 16])
-def test_rounds_admit_what_the_per_request_rounds_admitted(chunked: int | None) -> None:
-    """Under budget and retract pressure, with shared prefixes: every extend batch (rid,
-    prefix, extend length) and every output are the reference's."""
+@pytest.mark.parametrize(("chunked", "hierarchical"), [(None, False), (16, False), (None, True)])
+def test_rounds_admit_what_the_per_request_rounds_admitted(
+    chunked: int | None, hierarchical: bool
+) -> None:
+    """Under budget and retract pressure, with shared prefixes (and with the hierarchy:
+    host hits loaded back): every extend batch (rid, prefix, extend length) and every
+    output are the reference's."""
     results = []
     for engine_cls in (PerRequestEngine, Engine):
-        with pool_service(page_size=4, num_pages=40) as service:
+        with hicache_service(40, hierarchical=hierarchical) as service:
 
             async def scenario(service=service, engine_cls=engine_cls) -> Stack:
                 stack = await Stack(
@@ -188,6 +192,12 @@ def test_rounds_admit_what_the_per_request_rounds_admitted(chunked: int | None) 
                 for rid, (prompt, max_new) in workload().items():
                     stack.submit(rid, prompt, max_new)
                 await stack.run()
+                if hierarchical:  # again, each prompt's cached part now on the host
+                    await stack.mem.flush_cache(device_only=True)
+                    for rid, (prompt, max_new) in workload().items():
+                        stack.submit(f"{rid}-again", prompt, max_new)
+                    await stack.run()
+                    stack.hits = service.pool.hicache.stats_dict()["hit_tokens"]
                 service.pool.check_integrity(idle=True)
                 return stack
 
@@ -195,9 +205,14 @@ def test_rounds_admit_what_the_per_request_rounds_admitted(chunked: int | None) 
     reference, batched = results
     assert reference.engine.stats.retracted_reqs > 0, "meant to retract"
     assert max(len(r) for r in reference.rounds) > 1, "meant to admit several per round"
+    if hierarchical:  # memsvc's count of the tokens each tier's matches hit
+        assert reference.hits["host"] > 0, "meant to load from the host"
+        assert batched.hits == reference.hits
     assert batched.rounds == reference.rounds
-    for rid, (prompt, max_new) in workload().items():
-        assert batched.done[rid].output_ids == expected_output(prompt, max_new), rid
-        assert batched.done[rid].output_ids == reference.done[rid].output_ids
+    assert batched.done.keys() == reference.done.keys()
+    for rid, req in batched.done.items():
+        prompt, max_new = workload()[rid.removesuffix("-again")]
+        assert req.output_ids == expected_output(prompt, max_new), rid
+        assert req.output_ids == reference.done[rid].output_ids
     assert batched.mem.ops.get("alloc_row", 0) == 0
     assert batched.mem.ops.get("match_prefix", 0) == 0
