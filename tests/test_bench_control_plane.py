@@ -90,3 +90,6 @@ def test_overlap_section_with_the_tiny_model(control_plane: ModuleType, capsys) 
         assert 0 < result[key] < 1
     row = result["overlap"][0]
     assert positive(row["step_ms_on"]) and positive(row["step_ms_off"])
+    for mode in ("on", "off"):  # memsvc's share is part of the exposed share
+        assert 0 <= row[f"exposed_memsvc_{mode}"] <= row[f"exposed_{mode}"]
+    assert row["exposed_memsvc_off"] > 0  # without the overlap, decode_step is exposed
