@@ -15,7 +15,9 @@ candidate, one row of its ``matches`` array::
 the hierarchical cache: and from the available size, the fresh device pages
 its host / storage part loads into), read around that candidate's match
 alone: the scheduler's admission budget loses it before the candidate is
-judged. The reply's ``before`` has the pool's sizes (available, evictable,
+judged. A candidate that belongs to another session ends the batch too,
+untouched (``not_owner`` names it), as ``alloc_row`` would have refused it
+there. The reply's ``before`` has the pool's sizes (available, evictable,
 protected, host_free) before the first candidate was opened: the budget of
 the round. A candidate that gets no row ends the batch (``out_of_rows``); any
 other failure closes every candidate the message opened and is the reply.
@@ -33,6 +35,7 @@ from memsvc.core.errors import (
     InvalidArgumentError,
     OutOfRowsError,
 )
+from memsvc.sessions import NotOwnerError
 
 if TYPE_CHECKING:
     from memsvc.core import KVPool
@@ -80,8 +83,13 @@ class BatchHandlers:
     def _admit(self, session: Session, msg: p.Admit) -> Reply:
         pool = self.pool
         max_len = pool.table.max_context_len
-        for rid, n in zip(msg.rids, msg.token_lens.tolist(), strict=True):
-            self.sessions.check_owner(session, rid)
+        rids, not_owner = msg.rids, None
+        for i, (rid, n) in enumerate(zip(msg.rids, msg.token_lens.tolist(), strict=True)):
+            try:
+                self.sessions.check_owner(session, rid)
+            except NotOwnerError:  # the batch ends before it, untouched
+                rids, not_owner = msg.rids[:i], rid
+                break
             if pool.is_open(rid):
                 raise DuplicateRequestError(f"request {rid!r} is already open")
             if n > max_len:
@@ -94,7 +102,7 @@ class BatchHandlers:
         out_of_rows = False
         try:
             parts = split_tokens(msg.token_ids, msg.token_lens)
-            for rid, tokens in zip(msg.rids, parts, strict=True):
+            for rid, tokens in zip(rids, parts, strict=False):
                 try:
                     row = pool.open_request(rid)
                 except OutOfRowsError:
@@ -125,7 +133,8 @@ class BatchHandlers:
             self._settle(*opened)
             raise
         table = np.array(matches, dtype=p.ARRAY_DTYPE).reshape(-1, len(ADMIT_COLUMNS))
-        return {"out_of_rows": out_of_rows, "before": before}, {"matches": table.reshape(-1)}
+        fields = {"out_of_rows": out_of_rows, "not_owner": not_owner, "before": before}
+        return fields, {"matches": table.reshape(-1)}
 
     def _free_rows(self, session: Session, rids: list[str]) -> None:
         """``free_row`` for each of ``rids`` (all already checked)."""

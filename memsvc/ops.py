@@ -67,11 +67,13 @@ class AdmitMatch(NamedTuple):
 @dataclass(frozen=True)
 class AdmitResult:
     """``admit``'s reply: a match for each candidate opened, in order; ``out_of_rows``
-    when the one after the last had no row (it and the rest were not touched)."""
+    when the one after the last had no row, ``not_owner`` when it belongs to another
+    session (it and the rest were not touched)."""
 
     matches: list[AdmitMatch]
     out_of_rows: bool
     before: PoolSizes  # the pool's sizes before the first candidate was opened
+    not_owner: str | None = None  # the one after the last belongs to another session
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ def _admit_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> Admi
     matches = [
         AdmitMatch(r, n, d, h, s, bool(pending), pin) for r, n, d, h, s, pending, pin in table
     ]
-    return AdmitResult(matches, bool(header["out_of_rows"]), PoolSizes(*header["before"]))
+    before = PoolSizes(*header["before"])
+    return AdmitResult(matches, bool(header["out_of_rows"]), before, header.get("not_owner"))
 
 
 def _batch(items: Sequence[tuple[Any, ...]]) -> tuple[list[str], dict[str, np.ndarray]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from memsvc.core.errors import OutOfRowsError
 from memsvc.ops import AdmitMatch, AdmitResult, PoolSizes
+from memsvc.sessions import NotOwnerError
 from scheduler_svc.core import AddResult, PrefillAdder, Req
 from scheduler_svc.core.admission import floor_page
 from scheduler_svc.engine.base import EngineBase, output_logprob
@@ -209,6 +210,10 @@ class PrefillRound(EngineBase):
             if decision.result is not AddResult.CONTINUE:
                 rejected.extend(opened[i + 1 :])
                 return False
+        if reply.not_owner is not None:  # as alloc_row would have raised on it
+            if adder.could_admit(batch[len(reply.matches)]):
+                raise NotOwnerError(f"request {reply.not_owner!r} belongs to another session")
+            return False
         return not reply.out_of_rows
 
     def _tiers(self, match: AdmitMatch) -> dict[str, int | str]:

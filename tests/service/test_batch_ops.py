@@ -113,7 +113,6 @@ def test_a_bad_admit_opens_nothing(service):
     cache_prompt(c)
     too_long = np.zeros(service.pool.table.max_context_len + 1, dtype=np.int64)
     for items, code in [
-        ([("a", PROMPT[:12]), ("theirs", ids(1))], "not_owner"),
         ([("a", PROMPT[:12]), ("open", ids(1))], "duplicate_request"),
         ([("a", PROMPT[:12]), ("b", too_long)], "invalid_argument"),
         ([("a", PROMPT[:12]), ("a", ids(1))], "bad_request"),
@@ -128,6 +127,21 @@ def test_a_bad_admit_opens_nothing(service):
     assert not service.pool.is_open("a")
     other.ok("free_row", rid="theirs")
     c.ok("free_row", rid="open")
+    c.ok("check", idle=True)
+
+
+def test_admit_stops_before_a_candidate_of_another_session(service):
+    """As alloc_row would have refused it there: the candidates before it are opened, it
+    and the rest are not touched, and the reply names it."""
+    c, other = two_sessions(service)
+    reply = admit(c, [("a", ids(1)), ("theirs", ids(2)), ("b", ids(3))])
+    assert reply["ok"] and reply["not_owner"] == "theirs" and not reply["out_of_rows"]
+    assert len(matches(reply)) == 1 and service.pool.is_open("a")
+    assert not service.pool.is_open("b")
+    reply = admit(c, [("theirs", ids(2))])
+    assert reply["ok"] and reply["not_owner"] == "theirs" and not len(matches(reply))
+    other.ok("free_row", rid="theirs")
+    c.ok("free_row", rid="a")
     c.ok("check", idle=True)
 
 
