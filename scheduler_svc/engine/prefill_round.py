@@ -3,11 +3,12 @@
 Admission is the pure core's (:class:`~scheduler_svc.core.PrefillAdder`
 decides against memsvc's sizes). A round's admissions take two memsvc round
 trips: one ``admit`` opens, matches and locks the head of the queue (as many
-as the budget could take if each hit its whole prompt), the adder judges
-the replies in queue order exactly as if each had been matched alone, and
-one ``alloc_extend`` allocates the admitted ones and closes the rest. A
-request whose KV waits in the host store is loaded back instead of
-prefilled. After the extend, the requests whose prefill is complete publish
+as the budget could take if nothing of them were cached, and the next), the
+adder judges the replies in queue order exactly as if each had been matched
+alone, and one ``alloc_extend`` allocates the admitted ones and closes the
+rest. Where prefix hits leave room for more, another ``admit`` follows
+(:meth:`PrefillRound._candidates`). A request whose KV waits in the host
+store is loaded back instead of prefilled. After the extend, the requests whose prefill is complete publish
 their prompts to the prefix tree in one ``cache_unfinished_many`` and join
 the running batch; those that finished at once are released in one
 ``release_many``.
