@@ -15,10 +15,12 @@ in-process on :class:`memsvc.core.KVPool`:
   memsvc sees.
 
 A step's time is the decode allocation alone (``step``) and with the finish and
-the admission (``iteration``); gen-2 (full) collections are counted with
-``gc.callbacks`` over the ``--steps`` timed steps, and one full collection
-(``gc.collect()``) is timed at the end, the tree and the batch alive: the pause
-each of them costs. Runs alternate
+the admission (``iteration``). ``gc.callbacks`` count the collections by
+generation and time them while the tree grows (``growing``: each node is a
+container that survives, the case where the defaults run full collections)
+and over the ``--steps`` timed steps (``stepping``; ``full_collections`` counts
+gen-2 ones). One full collection (``gc.collect()``) is timed at the end, the
+tree and the batch alive: the pause each of them costs. Runs alternate
 default / policy ``--rounds`` times in one invocation. The last line is JSON::
 
     {"default": {...}, "policy": {...}, "ratio_mean_iteration": policy / default, ...}
@@ -40,6 +42,32 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("default", "policy")
+
+
+class CollectorWatch:
+    """Collections by generation and the time they took, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.ms = [0.0, 0.0, 0.0]
+        self.longest_ms = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = (time.perf_counter() - self._started) * 1e3
+        self.counts[info["generation"]] += 1
+        self.ms[info["generation"]] += took
+        self.longest_ms = max(self.longest_ms, took)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "collections": self.counts,
+            "gc_ms": round(sum(self.ms), 3),
+            "longest_pause_ms": round(self.longest_ms, 3),
+        }
 
 
 def child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -101,23 +129,22 @@ def child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     # tokens on average: about two nodes each, a leaf and a split) until the pool is
     # full (the batch admitted first): from then on each step evicts what it needs.
     count, mean_tail = 0, 2 * args.tree_tokens // args.tree_nodes
+    growing = CollectorWatch()
+    gc.callbacks.append(growing)
     while pool.available_size() > args.batch:
         tokens = np.concatenate([prompt(), fresh(int(rng.integers(1, 2 * mean_tail)))])
         admit(f"fill{count}", tokens)
         finish(f"fill{count}", tokens)
         count += 1
+    gc.callbacks.remove(growing)
     nodes_at_start = sum(1 for _ in pool.tree.iter_nodes())
-    full_collections = [0]
-
-    def count_full(phase: str, info: dict[str, int]) -> None:
-        if phase == "start" and info["generation"] == 2:
-            full_collections[0] += 1
+    stepping = CollectorWatch()
 
     steps, iterations = [], []
     oldest = 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            gc.callbacks.append(count_full)
+            gc.callbacks.append(stepping)
         started = time.perf_counter()
         if pool.alloc_decode_rows(rows) is None:
             raise RuntimeError("a decode step did not fit")
@@ -134,7 +161,7 @@ def child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         if i >= args.warmup:
             steps.append(stepped - started)
             iterations.append(ended - started)
-    gc.callbacks.remove(count_full)
+    gc.callbacks.remove(stepping)
     nodes = sum(1 for _ in pool.tree.iter_nodes())
     started = time.perf_counter()
     gc.collect()  # what one full collection costs now, the tree and the batch alive
@@ -144,7 +171,9 @@ def child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "step_ms": summary(steps),
         "iteration_ms": summary(iterations),
-        "full_collections": full_collections[0],
+        "full_collections": stepping.counts[2],
+        "growing": growing.report(),
+        "stepping": stepping.report(),
         "full_collection_ms": round(full_ms, 3),
         "tree_nodes": [nodes_at_start, nodes],
         "gc": gc_state(),
@@ -178,6 +207,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("step_ms", "iteration_ms"):
         out[key] = {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]}
     out["full_collections"] = [r["full_collections"] for r in runs]
+    for phase in ("growing", "stepping"):
+        out[phase] = [r[phase] for r in runs]
     out["full_collection_ms"] = statistics.median(r["full_collection_ms"] for r in runs)
     out["tree_nodes"] = [r["tree_nodes"] for r in runs]
     out["gc"] = runs[-1]["gc"]
@@ -219,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{mode:>8}: step mean {r['step_ms']['mean']:.3f} ms p99 {r['step_ms']['p99']:.3f}; "
             f"iteration mean {r['iteration_ms']['mean']:.3f} ms p99 "
             f"{r['iteration_ms']['p99']:.3f}; full collections {r['full_collections']}, "
-            f"one takes {r['full_collection_ms']:.2f} ms",
+            f"one takes {r['full_collection_ms']:.2f} ms; growing the tree: "
+            f"{r['growing'][0]['collections']} collections, {r['growing'][0]['gc_ms']} ms, "
+            f"longest {r['growing'][0]['longest_pause_ms']} ms",
             file=sys.stderr,
         )
     print(json.dumps(result))
