@@ -8,10 +8,10 @@ adder judges the replies in queue order exactly as if each had been matched
 alone, and one ``alloc_extend`` allocates the admitted ones and closes the
 rest. Where prefix hits leave room for more, another ``admit`` follows
 (:meth:`PrefillRound._candidates`). A request whose KV waits in the host
-store is loaded back instead of prefilled. After the extend, the requests whose prefill is complete publish
-their prompts to the prefix tree in one ``cache_unfinished_many`` and join
-the running batch; those that finished at once are released in one
-``release_many``.
+store is loaded back instead of prefilled. After the extend, the requests
+whose prefill is complete publish their prompts to the prefix tree in one
+``cache_unfinished_many`` and join the running batch; those that finished
+at once are released in one ``release_many``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ log = logging.getLogger("scheduler_svc")
 # Prompt tokens one admit may carry (8 bytes each): well under memsvc's message limit.
 ADMIT_MAX_TOKENS = 1 << 21
 
-Admitting = tuple[list[Req], AdmitResult]  # candidates sent in one admit, and its reply
+# Candidates sent in one admit, its reply, and whether the last is one the no-hit
+# estimate refused (then, if it goes in, prefix hits made room for more).
+Admitting = tuple[list[Req], AdmitResult, bool]
 
 
 class PrefillRound(EngineBase):
@@ -58,9 +60,9 @@ class PrefillRound(EngineBase):
             # stale (another session may have freed pages). The round's first admit
             # reads them fresh (its reply has the sizes before it opened anything) and
             # the budget is made again from those; with no admit to send, ask.
-            batch = self._candidates(adder)
+            batch, refused = self._candidates(adder)
             if batch:
-                first = (batch, await self._admit(batch))
+                first = (batch, await self._admit(batch), refused)
                 adder, chunk_len = self._new_adder(first[1].before)
             else:
                 await self.mem.heartbeat()
@@ -120,6 +122,7 @@ class PrefillRound(EngineBase):
         rejected: list[str] = []
         num_resumed = 0
         pending = first
+        hits = None
         while True:
             if pending is None:
                 if not (self.waiting and adder.could_admit(self.waiting[0])):
@@ -131,22 +134,21 @@ class PrefillRound(EngineBase):
                     self.waiting.popleft()
                     num_resumed += 1
                     continue
-                # After a whole batch went in, prefix hits made room past the no-hit
-                # estimate: the next batch is estimated with whole hits, and bounded.
-                hits = (len(started) * 2 + 8) if started else None
-                batch = self._candidates(adder, hits)
-                pending = (batch, await self._admit(batch))
-            batch, reply = pending
+                batch, refused = self._candidates(adder, hits)
+                pending = (batch, await self._admit(batch), refused)
+            batch, reply, refused = pending
             pending = None
             if not self._judge(adder, batch, reply, started, rejected):
                 break
+            if refused:  # prefix hits made room past the no-hit estimate: the next
+                hits = len(started) * 2 + 8  # batch is estimated with whole hits, bounded
         return started, num_resumed, rejected
 
-    def _candidates(self, adder: PrefillAdder, hits: int | None = None) -> list[Req]:
+    def _candidates(self, adder: PrefillAdder, hits: int | None = None) -> tuple[list[Req], bool]:
         """The head of ``waiting`` for one admit: up to a request resumed from the host
         store, while a scratch copy of the budget goes on; the first one it refuses is
-        in too (its real match decides). Empty if the head is refused or resumed from
-        the host store.
+        in too (its real match decides; the flag returned says it is the last). Empty
+        if the head is refused or resumed from the host store.
 
         The scratch budget charges each candidate as if nothing of it were cached: a
         real match costs no more, so no candidate past the first the adder refuses is
@@ -167,9 +169,10 @@ class PrefillRound(EngineBase):
                 break
             batch.append(req)
             guess = 0 if hits is None else floor_page(max(req.max_prefix_len, 0), adder.page_size)
-            if sim.add_one_req(req, guess).result is not AddResult.CONTINUE:
-                break
-        return batch
+            decision = sim.add_one_req(req, guess)
+            if decision.result is not AddResult.CONTINUE:
+                return batch, not decision.admitted
+        return batch, False
 
     async def _admit(self, batch: list[Req]) -> AdmitResult:
         """Open, match and lock ``batch``'s prefixes in memsvc, in one round trip."""

@@ -46,8 +46,8 @@ class CountingMem(InProcessMem):
 class PerRequestEngine(Engine):
     """The admission round before issue 28, one request at a time (the reference)."""
 
-    def _candidates(self, adder: PrefillAdder) -> list[Req]:
-        return []  # no admit: with nothing running, the round starts with a heartbeat
+    def _candidates(self, adder: PrefillAdder, hits: int | None = None) -> tuple[list[Req], bool]:
+        return [], False  # no admit: with nothing running, the round starts with a heartbeat
 
     async def _admit_waiting(self, adder: PrefillAdder, first: Any = None) -> Any:
         assert first is None
