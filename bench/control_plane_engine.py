@@ -272,15 +272,18 @@ async def overlap_batch(
         wall = {True: 0.0, False: 0.0}
         forward = {True: 0.0, False: 0.0}
         memsvc = {True: 0.0, False: 0.0}  # a memsvc call in flight and no forward pass
+        reserved = {True: 0, False: 0}  # steps whose next step memsvc reserved during them
         for _ in range(args.overlap_rounds):
             for on in (True, False):
                 engine.config = with_overlap(config, on)
                 model.intervals.clear()
                 mem.intervals.clear()
+                ahead = getattr(engine.stats, "reserved_ahead_steps", 0)
                 start = time.perf_counter()
                 for _ in range(args.overlap_steps):
                     await engine.step()
                 end = time.perf_counter()
+                reserved[on] += getattr(engine.stats, "reserved_ahead_steps", 0) - ahead
                 wall[on] += end - start
                 forward[on] += covered(model.intervals, start, end)
                 either = covered(model.intervals + mem.intervals, start, end)
@@ -295,6 +298,7 @@ async def overlap_batch(
         row[f"step_ms_{name}"] = round(wall[on] / (steps / 2) * 1e3, 2)
         row[f"exposed_{name}"] = round(1 - forward[on] / wall[on], 4)
         row[f"exposed_memsvc_{name}"] = round(memsvc[on] / wall[on], 4)
+        row[f"reserved_ahead_{name}"] = reserved[on]
     return row
 
 

@@ -93,3 +93,6 @@ def test_overlap_section_with_the_tiny_model(control_plane: ModuleType, capsys) 
     for mode in ("on", "off"):  # memsvc's share is part of the exposed share
         assert 0 <= row[f"exposed_memsvc_{mode}"] <= row[f"exposed_{mode}"]
     assert row["exposed_memsvc_off"] > 0  # without the overlap, decode_step is exposed
+    # The schedule really switched: steps reserved their next one only with it on.
+    assert result["overlap_schedule_in_engine"]
+    assert row["reserved_ahead_on"] > 0 and row["reserved_ahead_off"] == 0
