@@ -314,7 +314,7 @@ class AsyncMemClient(_SocketClient):
 
     Its socket is a plain one, waited on through the event loop by an
     :class:`~memsvc.rpc.AsyncRequester` (not a ``zmq.asyncio`` socket, whose
-    futures cost about as much as the op itself).
+    futures cost more than memsvc's own work on a decode step).
     """
 
     def __init__(self, address: str, **options: Any) -> None:
