@@ -110,7 +110,9 @@ class DecodeRound(EngineBase):
             for req in ahead:
                 req.slot_reserved = True
             self.stats.reserved_ahead_steps += 1
-        for failure in outcome:  # both calls are done: nothing is left running
+        # Both calls are done: nothing is left running. memsvc's failure first: a forward
+        # that failed beside it most likely read a pool memsvc no longer vouches for.
+        for failure in (reserved, result):
             if isinstance(failure, BaseException):
                 raise failure
         return result

@@ -93,13 +93,14 @@ def test_retract_into_tree_over_the_wire(service) -> None:
     kv_a, kv_b = (service.pool.slots(r).size for r in ("a", "b"))
     tokens_a = np.concatenate([a, [1]])[:kv_a]
     tokens_b = np.concatenate([b, [1]])[:kv_b]
-    # a bad length fails alone and changes nothing
+    # a bad length fails alone and changes nothing (one short would be a decode slot
+    # reserved ahead, given back: tests/core/test_decode_reservation.py)
     bad = c.call(
         "retract",
         {
             "rows": rows,
-            "tree_tokens": tokens_b[:-1],
-            "tree_lens": ids(0, kv_b - 1),
+            "tree_tokens": tokens_b[:-2],
+            "tree_lens": ids(0, kv_b - 2),
         },
         targets=["free", "tree"],
     )
