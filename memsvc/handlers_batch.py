@@ -97,6 +97,8 @@ class BatchHandlers:
         sizes = self._sizes()
         before = [sizes["available"], sizes["evictable"], sizes["protected"], sizes["host_free"]]
         loads = pool.hicache is not None
+        if pool.hicache is not None and msg.recompute_s_per_token is not None:
+            pool.hicache.cost.observe_recompute(msg.recompute_s_per_token)
         opened: list[str] = []
         matches: list[tuple[int, ...]] = []
         out_of_rows = False

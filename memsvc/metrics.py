@@ -187,6 +187,33 @@ class _Collector:
         for tier, value in dict(s.hit_tokens).items():
             hits.add_metric([tier], value)
         yield hits
+        skips = counter(
+            "kvstack_hicache_load_skips",
+            "Off-device match parts recomputed, not loaded: under the load-back threshold "
+            "or dearer to copy than to recompute (the cost model)",
+            labels=["reason"],
+        )
+        skip_tokens = counter(
+            "kvstack_hicache_load_skip_tokens",
+            "Tokens of the off-device match parts recomputed, not loaded",
+            labels=["reason"],
+        )
+        for reason, value in dict(s.load_skips).items():
+            skips.add_metric([reason], value)
+            skip_tokens.add_metric([reason], s.load_skip_tokens[reason])
+        yield skips
+        yield skip_tokens
+        cost = tree.cost
+        yield gauge(
+            "kvstack_hicache_copy_bytes_per_second",
+            "The load cost model's host -> device copy bandwidth (measured at start)",
+            value=cost.copy_bytes_per_s,
+        )
+        yield gauge(
+            "kvstack_hicache_recompute_seconds_per_token",
+            "The load cost model's prefill time per token (0: not known yet)",
+            value=cost.recompute_s_per_token or 0.0,
+        )
         pool = self.service.pool
         usage = gauge("kvstack_hicache_usage", "Fraction of each tier in use", labels=["tier"])
         usage.add_metric(["device"], 1 - pool.available_size() / pool.capacity)

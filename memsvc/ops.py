@@ -191,15 +191,24 @@ class _Ops:
             )
         )
 
-    def admit(self, items: Sequence[tuple[str, Sequence[int] | np.ndarray]]) -> Any:
+    def admit(
+        self,
+        items: Sequence[tuple[str, Sequence[int] | np.ndarray]],
+        *,
+        recompute_s_per_token: float | None = None,
+    ) -> Any:
         """For each ``(rid, token_ids)`` in order: :meth:`alloc_row` then
         :meth:`match_prefix_tiers`, in one round trip -> AdmitResult.
 
         Stops at the first rid that gets no row. Any other failure closes
-        every rid it opened and raises.
+        every rid it opened and raises. ``recompute_s_per_token``: the worker's
+        prefill time per token, for the hierarchical cache's load-or-recompute model.
         """
         rids, arrays = _batch(items)
-        return self._invoke(_Call("admit", {"rids": rids}, arrays, _admit_result))
+        fields: dict[str, Any] = {"rids": rids}
+        if recompute_s_per_token is not None:
+            fields["recompute_s_per_token"] = recompute_s_per_token
+        return self._invoke(_Call("admit", fields, arrays, _admit_result))
 
     def alloc_extend(self, items: Sequence[tuple[str, int]], free: Sequence[str] = ()) -> Any:
         """New positions for each ``(rid, num_tokens)``, all or nothing -> AllocResult.

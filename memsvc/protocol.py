@@ -146,9 +146,11 @@ class TokenBatch(Message):
 class Admit(TokenBatch):
     """Open, match and lock a round's admission candidates in order (``alloc_row`` then
     ``match_prefix`` for each), each with its ids to match. Stops at the first that gets
-    no row."""
+    no row. ``recompute_s_per_token``: the worker's prefill time per token, as the
+    scheduler measures it (the hierarchical cache's load-or-recompute model)."""
 
     op: Literal["admit"]
+    recompute_s_per_token: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class AllocExtend(Message):

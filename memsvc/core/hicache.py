@@ -27,8 +27,9 @@ configured, else drops the node (leaves only). Storage has its own LRU too.
 A match that runs into host / storage nodes loads them into fresh device pages
 (evicting device LRU leaves, never the matched path) before it returns, all or
 nothing as SGLang's ``load_back``: an off-device part under
-:data:`LOAD_BACK_THRESHOLD` tokens, or one the device cannot take whole, is not
-loaded, and the match stops at the device prefix. Every copy (device <-> host,
+:data:`LOAD_BACK_THRESHOLD` tokens, one the cost model finds dearer to copy than
+to recompute (:mod:`memsvc.core.hicache_cost`), or one the device cannot take
+whole, is not loaded, and the match stops at the device prefix. Every copy (device <-> host,
 host -> storage, storage -> device, storage deletes) runs as one job on the
 buffers' copy thread (:meth:`KVBuffers.submit`), in issue order, so:
 
@@ -162,16 +163,27 @@ class HiRadixCache(TieredTree):
         ``[]`` when nothing was loaded.
 
         SGLang's HiRadixCache.load_back: all or nothing. Under
-        :data:`LOAD_BACK_THRESHOLD` tokens it is not worth a copy; otherwise device
+        :data:`LOAD_BACK_THRESHOLD` tokens it is not worth a copy, nor when the
+        cost model (:mod:`memsvc.core.hicache_cost`) finds recomputing it cheaper
+        (both counted in ``load_skips``); otherwise device
         LRU leaves off the matched path are evicted for it, and if the device still
         cannot take all of it, none of it is loaded (the match stops at the device
         prefix and the request recomputes the rest). Storage nodes count with host
         ones: SGLang's storage pages reach the device through this same host load.
         """
         tail_len = sum(len(n.key) for n in tail)
-        if tail_len < LOAD_BACK_THRESHOLD:
+        if not tail_len:
             return []
         num_pages = tail_len // self.page_size
+        why = None
+        if tail_len < LOAD_BACK_THRESHOLD:
+            why = "threshold"
+        elif not self.cost.worth_loading(tail_len, num_pages * self.page_bytes):
+            why = "cost"
+        if why is not None:
+            self.stats.load_skips[why] += 1
+            self.stats.load_skip_tokens[why] += tail_len
+            return []
         self.lock(last_device)  # the matched device path is never evicted for the load
         try:
             shortfall = num_pages - self.allocator.num_free_pages
@@ -386,4 +398,7 @@ class HiRadixCache(TieredTree):
             "dropped_tokens": s.dropped_tokens,
             "storage_load_failures": s.storage_load_failures,
             "storage_write_failures": s.storage_write_failures,
+            "load_skips": dict(s.load_skips),
+            "load_skip_tokens": dict(s.load_skip_tokens),
+            "load_cost_model": self.cost.as_dict(),
         }

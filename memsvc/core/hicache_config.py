@@ -53,6 +53,37 @@ class HiCacheConfig:
             "forward": True,
         },
     )
+    disable_load_cost_model: bool = field(
+        default=False,
+        metadata={
+            "flag": "--hicache-disable-load-cost-model",
+            "help": "load every host / storage hit of at least 10 tokens back (SGLang's "
+            "load_back_threshold) instead of only those the cost model finds cheaper to copy "
+            "than to recompute (copy bandwidth against the worker's prefill time per token)",
+            "forward": True,
+        },
+    )
+    copy_gb_per_s: float = field(  # 0: measured when the cache is created
+        default=0.0,
+        metadata={
+            "flag": "--hicache-copy-bandwidth",
+            "help": "the cost model's host -> device copy bandwidth in GB/s (1e9 bytes); "
+            "0: measured at start on the pool's own pages",
+            "metavar": "GB_PER_S",
+            "forward": True,
+        },
+    )
+    recompute_us_per_token: float = field(  # 0: the scheduler's measured prefill rate
+        default=0.0,
+        metadata={
+            "flag": "--hicache-recompute-us-per-token",
+            "help": "the cost model's prefill time per token in microseconds; 0: as the "
+            "scheduler measures it and sends it with each admission (until it does, "
+            "every hit above the threshold is loaded)",
+            "metavar": "US",
+            "forward": True,
+        },
+    )
     storage_backend: StorageBackendName | None = field(
         default=None,
         metadata={
@@ -108,6 +139,10 @@ class HiCacheConfig:
             raise InvalidArgumentError("the host tier needs --hicache-ratio > 0 or --hicache-size")
         if self.size_bytes < 0 or self.storage_size_bytes < 0:
             raise InvalidArgumentError("hicache sizes must be >= 0")
+        if not (self.copy_gb_per_s >= 0 and self.recompute_us_per_token >= 0):
+            raise InvalidArgumentError(
+                "--hicache-copy-bandwidth and --hicache-recompute-us-per-token must be >= 0"
+            )
 
     def host_pages(self, device_pages: int, page_bytes: int) -> int:
         if self.size_bytes > 0:

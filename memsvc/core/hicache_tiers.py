@@ -51,6 +51,10 @@ class HiCacheStats:
     storage_write_failures: int = 0  # pages of storage backups that a failed write undid
     backups: int = 0  # copy jobs, for the duration summaries
     loads: int = 0
+    # Off-device match parts left to recompute as not worth a load, by why: under
+    # LOAD_BACK_THRESHOLD ("threshold") or dearer than recomputing ("cost").
+    load_skips: dict[str, int] = field(default_factory=lambda: {"threshold": 0, "cost": 0})
+    load_skip_tokens: dict[str, int] = field(default_factory=lambda: {"threshold": 0, "cost": 0})
 
 
 class HostTier:

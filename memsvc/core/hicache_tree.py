@@ -28,6 +28,7 @@ from memsvc.core.errors import IntegrityError, InvalidArgumentError
 from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.hicache_config import HiCacheConfig
+from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
@@ -82,6 +83,7 @@ class TieredTree(RadixCache):
         self._storage_keys: set[str] = set()
         self.stats = HiCacheStats()
         self.copies = TierCopies(buffers, allocator, self.host, self.stats)
+        self.cost = LoadCostModel.for_config(config, buffers, self.host.arena, allocator.num_pages)
         # Each tier's eviction candidates (evict_heap.py): device leaves, host copies,
         # storage copies that may go.
         self._free_leaves = EvictionHeap(lru_rank, self._is_device_leaf)

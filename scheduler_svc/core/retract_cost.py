@@ -37,10 +37,17 @@ class RetractCostModel:
     # comes back. The prompt is published to the tree after its prefill, but the
     # pressure that caused the retract may evict it first: half until observed.
     hit_fraction: float = 0.5
+    prefill_observed: bool = False
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.prefill_tokens_per_s = _ema(self.prefill_tokens_per_s, tokens / seconds)
+            self.prefill_observed = True
+
+    def recompute_s_per_token(self) -> float | None:
+        """Prefill seconds per token once a prefill was measured (memsvc's hierarchical
+        cache weighs a load against it); None before, the prior being a guess."""
+        return 1.0 / self.prefill_tokens_per_s if self.prefill_observed else None
 
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:

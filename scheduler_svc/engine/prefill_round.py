@@ -176,7 +176,12 @@ class PrefillRound(EngineBase):
 
     async def _admit(self, batch: list[Req]) -> AdmitResult:
         """Open, match and lock ``batch``'s prefixes in memsvc, in one round trip."""
-        return await self.mem.admit([(r.rid, r.fill_ids[: r.max_prefix_len]) for r in batch])
+        items = [(r.rid, r.fill_ids[: r.max_prefix_len]) for r in batch]
+        if self.hierarchical:  # memsvc weighs each load against recomputing it
+            return await self.mem.admit(
+                items, recompute_s_per_token=self.cost.recompute_s_per_token()
+            )
+        return await self.mem.admit(items)
 
     def _judge(
         self,
