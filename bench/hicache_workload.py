@@ -1,14 +1,33 @@
-"""The multi-turn chat workload of ``bench/hicache.py``: its prompts in SmolLM2's chat
-template, token for token, and what the client saw of each reply.
+"""The workloads of ``bench/hicache.py``: seeded synthetic conversations, token for token.
 
-The workload's shape (flags, sizes, seeding) is described in ``bench/hicache.py``.
+Four kinds (:data:`KINDS`), each a set of conversations that send turns one
+after another, a turn's prompt being the whole history so far (token for token,
+the model's own replies included) plus the turn's new tokens, rendered in
+SmolLM2's (ChatML) template:
+
+- ``docs``, long shared documents: one long system prompt shared by every
+  chat, each turn a long user passage (the original ``bench/hicache.py``);
+- ``chat``, multi-turn chat with short turns (issue 34's): a short shared
+  system prompt, a few dozen new tokens per turn, some chats in flight at a time;
+- ``agent``, agentic traces: a shared instruction prompt, a task, then each
+  step appends a tool output of a few hundred tokens to a context that keeps
+  growing; a few agents in parallel;
+- ``unique``, the no-reuse control: one-turn prompts that share nothing (each
+  opens with its own ticket line), so no cache of any tier can hit.
+
+Nothing is downloaded: the texts are templates filled from a seeded
+``random.Random``. A checkpoint without a tokenizer (the bundled ``tiny``
+model) gets each word's CRC mapped into its vocabulary instead, so equal texts
+are still equal token ids. ``Workload.chats(round)`` gives fresh conversations
+per round: the round's tag in the first tokens keeps rounds from hitting what
+an earlier round cached.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +46,13 @@ SYSTEM_TEXT = (
     "that admits requests and retracts them under memory pressure, a model "
     "worker that runs the forward passes in place on the shared pool, and an "
     "HTTP front that speaks the native and the OpenAI API. "
+)
+AGENT_TEXT = (
+    "You are an operations agent with shell access to a fleet of inference "
+    "servers. Each step, call exactly one tool: run(command), read(path) or "
+    "done(summary). Read the tool output that follows each call before the next "
+    "one. Prefer commands that print little; never restart a server that is "
+    "serving traffic; report what you changed and why when you call done. "
 )
 TOPICS = (
     "prefix caching",
@@ -47,6 +73,45 @@ USER_TEXT = (
     "the same moments. Question {turn}: what does {topic} change for a chat like "
     "this one, and what should we watch first? "
 )
+TASK_TEXT = "Task {n}: the replica {host} reports {topic} problems since {hour}:00; find out why. "
+TOOL_LINE = (
+    "[{hour:02d}:{minute:02d}:{second:02d}] {host} {level} {topic}: {value} ms over {n} steps\n"
+)
+TICKET_TEXT = "Ticket {n}-{k}, filed at {hour}:{minute:02d} by team {team}. "
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One workload's shape: per round, ``conversations`` of ``turns`` turns each."""
+
+    kind: str
+    conversations: int
+    turns: int
+    system_len: int  # shared prefix (0: nothing shared)
+    turn_len: int  # new tokens per turn (user passage, tool output or prompt body)
+    output_len: int  # reply tokens per turn (greedy, ignore_eos)
+    in_flight: int  # conversations served at a time (a chat holds its slot to its end)
+    pressures: tuple[float, ...]  # working set / device pool, one cell each
+
+
+# Scaled to fit the whole default matrix in about 20 minutes on two CPU cores.
+KINDS: dict[str, Spec] = {
+    "docs": Spec("docs", 4, 4, 256, 128, 4, 4, (0.8, 2.0, 4.0)),
+    "chat": Spec("chat", 8, 4, 120, 24, 8, 4, (0.8, 2.0, 4.0)),
+    "agent": Spec("agent", 4, 5, 192, 224, 8, 4, (0.8, 2.0, 4.0)),
+    "unique": Spec("unique", 16, 1, 0, 192, 8, 4, (0.8, 4.0)),
+}
+QUICK: dict[str, Spec] = {
+    "docs": Spec("docs", 2, 2, 64, 48, 2, 2, (0.8, 3.0)),
+    "chat": Spec("chat", 3, 2, 48, 16, 2, 2, (3.0,)),
+    "agent": Spec("agent", 2, 3, 48, 48, 2, 2, (3.0,)),
+    "unique": Spec("unique", 4, 1, 0, 48, 2, 2, (3.0,)),
+}
+
+
+def sized(spec: Spec, **overrides: Any) -> Spec:
+    """``spec`` with the overrides that are not None."""
+    return replace(spec, **{k: v for k, v in overrides.items() if v is not None})
 
 
 @dataclass
@@ -64,62 +129,122 @@ class Chat:
     """One conversation: its turns' new tokens, and what it has said so far."""
 
     name: str
-    user_turns: list[list[int]]  # turn t's new tokens: user message rendered, assistant opened
+    user_turns: list[list[int]]  # turn t's new tokens: message rendered, assistant opened
     history: list[int] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
 
 
+class Encoder:
+    """Text to token ids: the checkpoint's tokenizer, or (none there) words hashed into its
+    vocabulary, deterministic across processes."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.tokenizer = None
+        if (checkpoint / "tokenizer.json").is_file() or (
+            checkpoint / "tokenizer_config.json"
+        ).is_file():
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+            self.vocab = len(self.tokenizer)
+        else:
+            import json
+
+            config = json.loads((checkpoint / "config.json").read_text())
+            self.vocab = int(config["vocab_size"]) - 8  # clear of the special ids at the top
+
+    def __call__(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [zlib.crc32(word.encode()) % self.vocab for word in text.split()]
+
+
+def fill(encode: Encoder, text_of: Any, length: int) -> list[int]:
+    """Token ids of ``text_of(i)`` for i = 0, 1, ... joined until ``length``, cut there."""
+    ids: list[int] = []
+    index = 0
+    while len(ids) < length:
+        ids += encode(text_of(index))
+        index += 1
+    return ids[:length]
+
+
 class Workload:
-    """Token-level chats in SmolLM2's (ChatML) template, built with the model's tokenizer."""
+    """A :class:`Spec`'s conversations, built with the model's tokenizer (or its stand-in)."""
 
-    def __init__(self, checkpoint: Path, args: argparse.Namespace) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, encode: Encoder, spec: Spec, seed: int) -> None:
+        self.encode = encode
+        self.spec = spec
+        self.seed = seed
+        self.end_of_turn = encode("<|im_end|>\n")
+        system = SYSTEM_TEXT if spec.kind != "agent" else AGENT_TEXT
+        self.system_ids = self._message("system", fill(encode, lambda i: system, spec.system_len))
 
-        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.args = args
-        self.system_ids = self._system_ids(args.system_len)
-        self.end_of_turn = self._encode("<|im_end|>\n")
+    def _message(self, role: str, body: list[int], *, reply: bool = False) -> list[int]:
+        out = self.encode(f"<|im_start|>{role}\n") + body + self.end_of_turn
+        return out + self.encode("<|im_start|>assistant\n") if reply else out
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _system_ids(self, length: int) -> list[int]:
-        """``<|im_start|>system\\n`` + the system text, repeated as needed, cut to ``length``."""
-        head = self._encode("<|im_start|>system\n")
-        body = self._encode(SYSTEM_TEXT * (1 + length // 100))
-        return head + body[: max(length - len(head), 0)] + self._encode("<|im_end|>\n")
-
-    def _user_ids(self, rng: random.Random, turn: int) -> list[int]:
+    def _turn(self, rng: random.Random, chat: int, turn: int) -> list[int]:
+        """Turn ``turn``'s new tokens: the message(s) a turn adds, assistant opened."""
+        spec, encode = self.spec, self.encode
         topic = rng.choice(TOPICS)
+        if spec.kind == "agent" and turn > 0:  # a tool's output: log lines
+            host = f"node-{rng.randint(1, 64)}"
+
+            def line(i: int) -> str:
+                return TOOL_LINE.format(
+                    hour=rng.randint(0, 23), minute=rng.randint(0, 59), second=rng.randint(0, 59),
+                    host=host, level=rng.choice(("INFO", "WARN", "ERROR")),
+                    topic=rng.choice(TOPICS), value=rng.randint(1, 9999), n=rng.randint(1, 512),
+                )  # fmt: skip
+
+            return self._message("tool", fill(encode, line, spec.turn_len), reply=True)
+        if spec.kind == "agent":
+            text = TASK_TEXT.format(
+                n=chat, host=f"node-{rng.randint(1, 64)}", topic=topic, hour=rng.randint(0, 23)
+            )
+            return self._message("user", fill(encode, lambda i: text, spec.turn_len), reply=True)
         text = USER_TEXT.format(
             topic=topic, turn=turn + 1, n=rng.randint(2, 64), m=rng.randint(8, 512)
         )
-        body = self._encode(text * (1 + self.args.user_len // 80))[: self.args.user_len]
-        return (
-            self._encode("<|im_start|>user\n")
-            + body
-            + self._encode("<|im_end|>\n<|im_start|>assistant\n")
-        )
+        body = fill(encode, lambda i: text, spec.turn_len)
+        if spec.kind == "unique":  # its own ticket line first: no page in common with another
+            ticket = TICKET_TEXT.format(
+                n=rng.randint(10**5, 10**6), k=chat, hour=rng.randint(0, 23),
+                minute=rng.randint(0, 59), team=rng.choice(TOPICS),
+            )  # fmt: skip
+            body = (encode(ticket * 3) + body)[: spec.turn_len]
+        return self._message("user", body, reply=True)
 
     def chats(self, round_index: int) -> list[Chat]:
         """Fresh chats: the round's tag in the system prompt's first tokens keeps rounds apart."""
-        rng = random.Random(f"{self.args.seed}-{round_index}")
-        tag = self._encode(f"Session {round_index}. ")
+        rng = random.Random(f"{self.seed}-{self.spec.kind}-{round_index}")
+        tag = self.encode(f"Session {round_index}. ")
         chats = []
-        for i in range(self.args.conversations):
-            turns = [self._user_ids(rng, t) for t in range(self.args.turns)]
-            chat = Chat(f"r{round_index}-c{i}", turns)
-            head = self.system_ids[:3]
-            chat.history = head + tag + self.system_ids[3:]
+        for i in range(self.spec.conversations):
+            turns = [self._turn(rng, i, t) for t in range(self.spec.turns)]
+            chat = Chat(f"{self.spec.kind}-r{round_index}-c{i}", turns)
+            if self.spec.system_len:
+                chat.history = self.system_ids[:3] + tag + self.system_ids[3:]
             chats.append(chat)
         return chats
 
     def working_set(self) -> tuple[int, int]:
         """(distinct tokens of every final history, the longest history) for one round."""
         chats = self.chats(0)
-        system_len = len(chats[0].history)
-        per_chat = [
-            sum(len(u) + self.args.output_len + len(self.end_of_turn) for u in c.user_turns)
-            for c in chats
-        ]
-        return system_len + sum(per_chat), system_len + max(per_chat)
+        shared = len(chats[0].history)
+        reply = self.spec.output_len + len(self.end_of_turn)
+        per_chat = [sum(len(u) + reply for u in c.user_turns) for c in chats]
+        return shared + sum(per_chat), shared + max(per_chat)
+
+    def describe(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "kind": spec.kind,
+            "conversations": spec.conversations,
+            "turns": spec.turns,
+            "shared_prefix_tokens": len(self.chats(0)[0].history),
+            "new_tokens_per_turn": spec.turn_len,
+            "output_tokens_per_turn": spec.output_len,
+            "in_flight": spec.in_flight,
+        }

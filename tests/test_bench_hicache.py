@@ -1,0 +1,134 @@
+"""bench/hicache.py end to end at --quick sizes: what it prints, not how fast.
+
+One run of the tiny matrix (the tiny model; every workload, a roomy and a tight
+pool) serves every cell on two real stacks, whose pools the bench checks
+(memsvc's integrity check, idle) before it stops them; the tests read the last
+stdout line's JSON: its shape, that the hierarchy and radix-only replied token
+for token alike, that the figures add up (every prompt token a hit or
+computed) and that the no-reuse control hit nothing. How many tokens hit
+depends on how requests happen to batch (two first turns in one batch both
+compute the shared prompt), so no test compares the stacks' hit counts;
+wall-clock figures are the benchmark's business, not a test's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+TOP_KEYS = (
+    "worst_ttft_p50_speedup",
+    "best_ttft_p50_speedup",
+    "worst_throughput_ratio",
+    "best_throughput_ratio",
+    "all_outputs_identical",
+    "machine",
+    "cells",
+    "leaked_segments",
+)
+STACK_KEYS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "prefill_tokens",
+    "hit_tokens",
+)
+
+
+def load_bench() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # its sibling modules, as when run as a script
+    try:
+        spec = importlib.util.spec_from_file_location("bench_hicache", BENCH / "hicache.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def quick() -> dict[str, Any]:
+    bench = load_bench()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        bench.main(["--quick"])  # exits non-zero on differing replies or leaked memory
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_the_json_has_every_cell_and_the_matrix_figures(quick: dict[str, Any]) -> None:
+    assert all(key in quick for key in TOP_KEYS)
+    assert quick["machine"]["cores"] >= 1 and "cpu" in quick["machine"]
+    kinds = {c["workload"] for c in quick["cells"]}
+    assert kinds == {"docs", "chat", "agent", "unique"}
+    docs = [c for c in quick["cells"] if c["workload"] == "docs"]
+    assert (
+        min(c["working_set_over_pool"] for c in docs)
+        < 1
+        < max(c["working_set_over_pool"] for c in docs)
+    )  # a roomy pool and a tight one
+    speedups = [c["ttft_p50_speedup"] for c in quick["cells"]]
+    ratios = [c["throughput_ratio"] for c in quick["cells"]]
+    assert quick["worst_ttft_p50_speedup"] == min(speedups)
+    assert quick["best_ttft_p50_speedup"] == max(speedups)
+    assert quick["worst_throughput_ratio"] == min(ratios)
+    for cell in quick["cells"]:
+        for name in ("hicache", "radix"):
+            figures = cell[name]
+            assert all(key in figures for key in STACK_KEYS)
+            assert all(positive(figures[k]) for k in STACK_KEYS[:5])
+        assert cell["hicache"]["memsvc"]["write_policy"]  # memsvc's own, reported
+    assert quick["leaked_segments"] == []
+
+
+def test_both_stacks_replied_alike_and_the_figures_add_up(quick: dict[str, Any]) -> None:
+    assert quick["all_outputs_identical"] is True
+    for cell in quick["cells"]:
+        assert cell["outputs_identical"] is True
+        assert cell["agreement"]["hicache_vs_radix"]["replies_differing"] == 0
+        for name in ("hicache", "radix"):
+            figures = cell[name]
+            hits = figures["hit_tokens"]
+            assert sum(hits.values()) == figures["cached_tokens"]
+            # every prompt token was a hit or computed (more where a retraction recomputed)
+            assert figures["prefill_tokens"] >= figures["prompt_tokens"] - figures["cached_tokens"]
+        assert cell["radix"]["hit_tokens"]["host"] == cell["radix"]["hit_tokens"]["storage"] == 0
+
+
+def test_the_control_shares_nothing(quick: dict[str, Any]) -> None:
+    unique = [c for c in quick["cells"] if c["workload"] == "unique"]
+    assert unique
+    for cell in unique:  # the no-reuse control: no tier ever hits, every token is computed
+        for name in ("hicache", "radix"):
+            assert cell[name]["cached_tokens"] == 0
+            assert cell[name]["prefill_tokens"] >= cell[name]["prompt_tokens"] > 0
+    for cell in quick["cells"]:  # the same prompts on both stacks
+        assert cell["hicache"]["prompt_tokens"] == cell["radix"]["prompt_tokens"]
+
+
+def test_differing_replies_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    bench = load_bench()
+    result = {"leaked_segments": [], "all_outputs_identical": False, "cells": []}
+    monkeypatch.setattr(bench, "run", lambda args: dict(result))
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exited:
+        bench.main(["--quick"])
+    assert exited.value.code == 1
+    result["all_outputs_identical"], result["leaked_segments"] = True, ["/dev/shm/x"]
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exited:
+        bench.main(["--quick"])
+    assert exited.value.code == 1
