@@ -57,6 +57,7 @@ from hicache_figures import (  # bench/, on the path as the script's folder
     machine,
     measure_memcpy,
     summarize,
+    table,
 )
 from hicache_workload import KINDS, QUICK, Chat, Encoder, Turn, Workload, sized
 
@@ -376,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     result = run(args)
     result["took_s"] = round(time.monotonic() - started, 1)
+    if result.get("cells"):
+        print(table(result["cells"]), file=sys.stderr)
     print(f"took {result['took_s']}s", file=sys.stderr)
     print(json.dumps(result))
     if result["leaked_segments"] or not result["all_outputs_identical"]:

@@ -100,6 +100,8 @@ def copy_figures(
         "write_policy": after.get("write_policy"),
         "counters": delta,
         "memsvc_hit_tokens": {t: int(delta.get(f"hit_tokens.{t}", 0)) for t in TIERS},
+        # loads the cost model judged dearer than recomputing (absent from older memsvc)
+        "load_skip_tokens": delta.get("load_skip_tokens"),
         "kv_bytes_per_token": bytes_per_token,
         "bytes_moved_per_lower_hit_token": round((load_bytes + write_bytes) / lower, 1)
         if lower
@@ -140,3 +142,25 @@ def machine() -> dict[str, Any]:
     except AttributeError:  # not Linux
         cores = os.cpu_count()
     return {"cpu": model, "cores": cores, "loadavg": list(os.getloadavg())}
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    """The matrix as a Markdown table (the docs' form of the JSON's cells)."""
+    rows = [
+        "| workload | working set / pool | TTFT p50 hierarchy / radix-only | `ttft_p50_speedup` "
+        "| TTFT p99 speedup | `throughput_ratio` | hierarchy hits device / host / storage "
+        "| radix-only hits | prefill computed hierarchy / radix-only | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        hi, radix = c["hicache"], c["radix"]
+        hits = "/".join(str(hi["hit_tokens"][t]) for t in TIERS)
+        ttft = f"{hi['ttft_p50_s']:.3f} s / {radix['ttft_p50_s']:.3f} s"
+        rows.append(
+            f"| {c['workload']} | {c['working_set_tokens']} / {c['device_pool_tokens']} "
+            f"({c['working_set_over_pool']}) | {ttft} "
+            f"| {c.get('ttft_p50_speedup')} | {c.get('ttft_p99_speedup')} "
+            f"| {c.get('throughput_ratio')} | {hits} | {radix['hit_tokens']['device']} "
+            f"| {hi['prefill_tokens']} / {radix['prefill_tokens']} | {c['outputs_identical']} |"
+        )
+    return "\n".join(rows)

@@ -96,9 +96,9 @@ class Spec:
 
 # Scaled to fit the whole default matrix in about 20 minutes on two CPU cores.
 KINDS: dict[str, Spec] = {
-    "docs": Spec("docs", 4, 4, 256, 128, 4, 4, (0.8, 2.0, 4.0)),
+    "docs": Spec("docs", 6, 3, 256, 128, 4, 6, (0.8, 2.0, 4.0)),
     "chat": Spec("chat", 8, 4, 120, 24, 8, 4, (0.8, 2.0, 4.0)),
-    "agent": Spec("agent", 4, 5, 192, 224, 8, 4, (0.8, 2.0, 4.0)),
+    "agent": Spec("agent", 5, 4, 192, 224, 8, 5, (0.8, 2.0, 4.0)),
     "unique": Spec("unique", 16, 1, 0, 192, 8, 4, (0.8, 4.0)),
 }
 QUICK: dict[str, Spec] = {
