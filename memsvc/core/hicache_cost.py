@@ -15,7 +15,7 @@ Where the two rates come from:
 
 - the copy path's, measured when the cache is created (:func:`calibrate_copy`:
   host-tier pages copied into pool pages on the buffers' copy thread, the way
-  a load runs, a one-page job for the latency and a few-MB one for the
+  a load runs, a one-page job for the latency and one of up to 32 MB for the
   bandwidth; nothing uses the pool yet), or ``--hicache-copy-bandwidth``;
 - the worker's, from the scheduler: it learns its prefill tokens per second
   from the passes it runs and sends the per-token time with each ``admit``
@@ -36,8 +36,9 @@ import numpy as np
 from memsvc.core.backends.base import KVBuffers
 from memsvc.core.hicache_config import HiCacheConfig
 
-# The bytes one calibration copy moves (at most: the tiers may be smaller).
-CALIBRATION_BYTES = 4 << 20
+# The bytes one calibration copy moves (at most: the tiers may be smaller). Larger than
+# a CPU's last-level cache, or the copy runs from cache at several times a load's speed.
+CALIBRATION_BYTES = 32 << 20
 CALIBRATION_REPEATS = 3
 
 
@@ -62,10 +63,7 @@ def calibrate_copy(buffers: KVBuffers, host_arena: np.ndarray, num_device_pages:
     pages = np.arange(num, dtype=np.int64)
     one = _time_copy(buffers, host_arena[:1], pages[:1])
     many = _time_copy(buffers, host_arena[:num], pages)
-    if num > 1 and many > one:
-        bandwidth = (num - 1) * page_bytes / (many - one)
-    else:
-        bandwidth = num * page_bytes / max(many, 1e-9)
+    bandwidth = num * page_bytes / max(many, 1e-9)  # its latency in: a little low
     latency = max(one - page_bytes / bandwidth, 0.0)
     return latency, bandwidth
 
