@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -113,7 +114,9 @@ async def serve_round(
     await asyncio.gather(*(one(chat) for chat in chats))
     wall_s = time.perf_counter() - start
     after = (await client.info())["stats"]
-    return {"wall_s": wall_s, **{k: after[k] - before[k] for k in STAT_KEYS if k in after}}
+    ttft_p50_s = statistics.median(t.ttft_s for c in chats for t in c.turns)
+    deltas = {k: after[k] - before[k] for k in STAT_KEYS if k in after}
+    return {"wall_s": wall_s, "ttft_p50_s": ttft_p50_s, **deltas}
 
 
 async def serve(addresses: dict[str, str], workload: Workload, rounds: int) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def summarize(rounds: list[dict[str, Any]], turns: list[Turn]) -> dict[str, Any]
         "ttft_p99_s": round(percentile(ttft, 0.99), 4),
         "e2e_p50_s": round(statistics.median([t.e2e_s for t in turns]), 4),
         "wall_s": round(wall_s, 2),
-        "round_wall_s": [round(r["wall_s"], 2) for r in rounds],
+        "round_wall_s": [round(r["wall_s"], 2) for r in rounds],  # the spread over rounds
+        "round_ttft_p50_s": [round(r["ttft_p50_s"], 4) for r in rounds],
         "requests": len(turns),
         "requests_per_s": round(len(turns) / wall_s, 3),
         "output_tokens_per_s": round(sum(len(t.output_ids) for t in turns) / wall_s, 2),

@@ -92,6 +92,8 @@ def test_the_json_has_every_cell_and_the_matrix_figures(quick: dict[str, Any]) -
             figures = cell[name]
             assert all(key in figures for key in STACK_KEYS)
             assert all(positive(figures[k]) for k in STACK_KEYS[:5])
+            # each stack served every round (their spread is reported)
+            assert len(figures["round_ttft_p50_s"]) == len(figures["round_wall_s"]) == 2
         assert cell["hicache"]["memsvc"]["write_policy"]  # memsvc's own, reported
     assert quick["leaked_segments"] == []
 
