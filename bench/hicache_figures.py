@@ -154,6 +154,8 @@ def table(cells: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
+        if "hicache" not in c or "radix" not in c:
+            continue
         hi, radix = c["hicache"], c["radix"]
         hits = "/".join(str(hi["hit_tokens"][t]) for t in TIERS)
         ttft = f"{hi['ttft_p50_s']:.3f} s / {radix['ttft_p50_s']:.3f} s"
