@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache_workload import KINDS, Chat, Encoder, Workload, sized  # bench/, the script's folder
+from hicache import run_chat  # bench/, the script's folder
+from hicache_workload import KINDS, Chat, Encoder, Workload, sized
 
 from kvstack.model.paths import resolve_model_path
 from kvstack.stack.launch import Launcher
 from memsvc.client import MemClient
-from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateResult
+from scheduler_svc.client import AsyncGenerateClient
 
 PAGE_SIZE = 16
 TICK = os.sysconf("SC_CLK_TCK")
@@ -70,33 +71,14 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: round(v - before.get(k, 0), 6) for k, v in after.items() if v != before.get(k, 0)}
 
 
-async def run_chat(client: AsyncGenerateClient, chat: Chat, args: Any, eot: list[int]) -> list:
-    sampling = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0.0}
-    out = []
-    for index, user_ids in enumerate(chat.user_turns):
-        prompt = chat.history + user_ids
-        start = time.perf_counter()
-        first, result = None, None
-        async for item in client.stream(prompt, rid=f"{chat.name}-t{index}", sampling=sampling):
-            if isinstance(item, Chunk) and first is None and item.token_ids:
-                first = time.perf_counter()
-            elif isinstance(item, GenerateResult):
-                result = item
-        end = time.perf_counter()
-        if result is None:
-            raise RuntimeError(f"{chat.name} turn {index} failed")
-        out.append(((first or end) - start, result.output_ids))
-        chat.history = prompt + result.output_ids + eot
-    return out
-
-
 async def serve_round(address: str, chats: list[Chat], args: Any, eot: list[int]) -> dict:
     async with AsyncGenerateClient(address, timeout_s=600) as client:
         gate = asyncio.Semaphore(args.in_flight)
 
         async def one(chat: Chat) -> list:
             async with gate:
-                return await run_chat(client, chat, args, eot)
+                await run_chat(client, chat, args.output_len, eot)
+            return [(t.ttft_s, t.output_ids) for t in chat.turns]
 
         before = numbers((await client.info())["stats"])
         start = time.perf_counter()

@@ -179,30 +179,21 @@ class _Collector:
             count_value=s.loads,
             sum_value=s.load_seconds,
         )
-        hits = counter(
-            "kvstack_hicache_hit_tokens",
-            "Prefix-match tokens by the tier they were found in",
-            labels=["tier"],
-        )
-        for tier, value in dict(s.hit_tokens).items():
-            hits.add_metric([tier], value)
-        yield hits
-        skips = counter(
-            "kvstack_hicache_load_skips",
-            "Off-device match parts recomputed, not loaded: under the load-back threshold "
-            "or dearer to copy than to recompute (the cost model)",
-            labels=["reason"],
-        )
-        skip_tokens = counter(
-            "kvstack_hicache_load_skip_tokens",
-            "Tokens of the off-device match parts recomputed, not loaded",
-            labels=["reason"],
-        )
-        for reason, value in dict(s.load_skips).items():
-            skips.add_metric([reason], value)
-            skip_tokens.add_metric([reason], s.load_skip_tokens[reason])
-        yield skips
-        yield skip_tokens
+        by_label = (
+            ("kvstack_hicache_hit_tokens", "Prefix-match tokens by the tier they were found in",
+             "tier", s.hit_tokens),
+            ("kvstack_hicache_load_skips", "Off-device match parts recomputed, not loaded: under "
+             "the load-back threshold or dearer to copy than to recompute (the cost model)",
+             "reason", s.load_skips),
+            ("kvstack_hicache_load_skip_tokens",
+             "Tokens of the off-device match parts recomputed, not loaded",
+             "reason", s.load_skip_tokens),
+        )  # fmt: skip
+        for name, text, label, values in by_label:
+            family = counter(name, text, labels=[label])
+            for key, value in dict(values).items():
+                family.add_metric([key], value)
+            yield family
         cost = tree.cost
         yield gauge(
             "kvstack_hicache_copy_bytes_per_second",
