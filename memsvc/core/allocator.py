@@ -16,9 +16,11 @@ of the newest copy issued before the free::
     alloc needs them  -> wait F, then they join the free list, then allocate
 
 Copies complete in issue order (one copy stream / one copy thread), so the
-newest fence covers every copy that could read a page freed now. Pending
-pages count as available: an allocation that needs them waits for their
-fence instead of failing.
+newest fence covers every copy that could read a page freed now. A copy that
+names the pages it reads (:meth:`copy_reads`: the hierarchical cache's
+backups) holds back only those: a page freed while it runs waits for it, and
+other frees do not. Pending pages count as available: an allocation that needs
+them waits for their fences instead of failing.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class PageAllocator:
         self._owner = np.zeros(num_pages + 1, dtype=np.int32)
         self._owner[0] = OWNER_RESERVED  # the padding page is never handed out
         self._copy_fence: CopyFence | None = None  # the newest copy that may still run
-        self._pending: deque[tuple[CopyFence, np.ndarray]] = deque()
+        self._page_fences: dict[int, CopyFence] = {}  # page -> a copy reading it (copy_reads)
+        self._pending: deque[tuple[list[CopyFence], np.ndarray]] = deque()
         self._num_pending = 0
 
     # -- sizes -----------------------------------------------------------------
@@ -99,15 +102,23 @@ class PageAllocator:
         """An asynchronous copy that reads pool pages was started; ``fence`` says when it ends."""
         self._copy_fence = fence
 
+    def copy_reads(self, fence: CopyFence, pages: np.ndarray) -> None:
+        """An asynchronous copy that reads ``pages`` and no other pool page was started:
+        those pages, if freed before ``fence`` is done, wait for it; other frees do not."""
+        if not fence.done():
+            for page in pages.tolist():
+                self._page_fences[page] = fence
+
     def reclaim(self, *, need: int = 0) -> None:
         """Move pending pages whose copies are done to the free list; with ``need``,
         wait on fences (oldest first) until that many pages are free or none is pending."""
         while self._pending:
-            fence, pages = self._pending[0]
-            if not fence.done():
+            fences, pages = self._pending[0]
+            if not all(fence.done() for fence in fences):
                 if self._num_free >= need:
                     return
-                fence.wait()
+                for fence in fences:
+                    fence.wait()
             self._pending.popleft()
             self._num_pending -= pages.size
             self._push_free(pages)
@@ -165,13 +176,22 @@ class PageAllocator:
             raise PageOwnershipError(
                 f"pages {wrong[:8].tolist()} are held by {holder}, not by {_owner_name(owner)}"
             )
+        fences = []
         fence = self._copy_fence
         if fence is not None and not fence.done():
+            fences.append(fence)
+        else:
+            self._copy_fence = None
+        if self._page_fences:
+            for page in pages.tolist():
+                reader = self._page_fences.pop(page, None)
+                if reader is not None and not reader.done() and reader not in fences:
+                    fences.append(reader)
+        if fences:
             self._owner[pages] = OWNER_PENDING
-            self._pending.append((fence, pages))
+            self._pending.append((fences, pages))
             self._num_pending += pages.size
             return
-        self._copy_fence = None
         self._push_free(pages)
 
     def _push_free(self, pages: np.ndarray) -> None:

@@ -34,8 +34,10 @@ host -> storage, storage -> device, storage deletes) runs as one job on the
 buffers' copy thread (:meth:`KVBuffers.submit`), in issue order, so:
 
 - a load is fenced: the node keeps the job's fence (``load_fence``) and the
-  pool makes the request's next ``alloc_extend`` wait for it; pages it writes
-  that are freed meanwhile stay pending behind it (``allocator.copy_issued``);
+  pool makes the request's next ``alloc_extend`` wait for it; pages freed
+  meanwhile stay pending behind it (``allocator.copy_issued``); a backup holds
+  back only the pages it reads, if they are freed before it ends
+  (``allocator.copy_reads``), so no allocation waits on an unrelated backup;
 - a host page or storage key freed while a job still reads it is reused only by
   a later job, which runs after it: a load never races an eviction, nor a
   write-back a free, and no op ever waits except on the loads it hands out.

@@ -113,10 +113,12 @@ def page_hash_chain(prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
 class TierCopies:
     """Every copy between the tiers, each one job on the buffers' copy thread.
 
-    Each call issues its job and returns the job's fence; a job that writes
-    or reads pool pages makes pages freed from then on wait for it
-    (``allocator.copy_issued``). Jobs run in issue order, so a page or key
-    freed while a job still uses it is reused only by a later job.
+    Each call issues its job and returns the job's fence; a load (it writes
+    pool pages) makes pages freed from then on wait for it
+    (``allocator.copy_issued``), a backup only the pages it reads
+    (``allocator.copy_reads``): a request's pages freed while a backup runs
+    do not wait for it. Jobs run in issue order, so a page or key freed while
+    a job still uses it is reused only by a later job.
     """
 
     def __init__(
@@ -134,7 +136,9 @@ class TierCopies:
         self._last_fence: CopyFence = DONE
 
     def to_host(self, dev_pages: np.ndarray, host_pages: np.ndarray) -> CopyFence:
-        return self._submit(self._job_to_host, dev_pages, host_pages, pool_pages=True)
+        fence = self._submit(self._job_to_host, dev_pages, host_pages, pool_pages=False)
+        self.allocator.copy_reads(fence, dev_pages)  # those pages, if freed, wait for it
+        return fence
 
     def from_host(self, host_pages: np.ndarray, dev_pages: np.ndarray) -> CopyFence:
         return self._submit(self._job_from_host, host_pages, dev_pages, pool_pages=True)
