@@ -22,11 +22,15 @@ PAGE = 4
 
 
 @contextlib.contextmanager
-def hicache_service(num_pages: int, *, hierarchical: bool = True) -> Iterator[MemService]:
+def hicache_service(
+    num_pages: int, *, hierarchical: bool = True, load_cost_model: bool = True
+) -> Iterator[MemService]:
     layout = small_layout(
         page_size=PAGE, num_pages=num_pages, max_running_requests=16, max_context_len=512
     )
-    config = HiCacheConfig(ratio=4.0) if hierarchical else None
+    config = None
+    if hierarchical:
+        config = HiCacheConfig(ratio=4.0, disable_load_cost_model=not load_cost_model)
     pool = KVPool(layout, host_store_bytes=layout.kv_bytes, hicache=config)
     try:
         yield MemService(pool, ServiceConfig(retract_decode_steps=20))
@@ -40,7 +44,9 @@ def test_a_host_hit_is_loaded_charged_and_reported_per_tier(monkeypatch) -> None
     of that load leave the admission budget with the lock, and meta_info says where the
     hit came from."""
     adders = record_adders(monkeypatch)
-    with hicache_service(num_pages=32) as service:  # 128 tokens
+    # The load cost model is off: with the fake model's instant prefills it could find
+    # recomputing cheaper (tests/scheduler/test_hicache_cost_engine.py tests it).
+    with hicache_service(num_pages=32, load_cost_model=False) as service:  # 128 tokens
 
         async def scenario() -> None:
             pool = service.pool
@@ -91,7 +97,7 @@ def test_a_retract_victim_goes_into_the_tree_and_comes_back_by_prefix_match(mode
     """offload / auto with the hierarchy on: each victim's KV is inserted into the tree
     (and its host tier), not parked privately. While it waits, another session's request
     sharing its tokens hits all of them; its own re-admission recomputes under a page."""
-    with hicache_service(num_pages=64) as service:
+    with hicache_service(num_pages=64, load_cost_model=False) as service:
 
         async def scenario() -> None:
             h = await Harness(
