@@ -101,8 +101,12 @@ def copy_figures(
         "write_policy": after.get("write_policy"),
         "counters": delta,
         "memsvc_hit_tokens": {t: int(delta.get(f"hit_tokens.{t}", 0)) for t in TIERS},
-        # loads the cost model judged dearer than recomputing (absent from older memsvc)
-        "load_skip_tokens": delta.get("load_skip_tokens"),
+        # hits not loaded, by reason (under load_back_threshold, dearer than recomputing)
+        "load_skip_tokens": {
+            k.split(".", 1)[1]: int(v)
+            for k, v in delta.items()
+            if k.startswith("load_skip_tokens.")
+        },
         "kv_bytes_per_token": bytes_per_token,
         "bytes_moved_per_lower_hit_token": round((load_bytes + write_bytes) / lower, 1)
         if lower
