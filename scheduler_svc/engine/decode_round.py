@@ -83,27 +83,11 @@ class DecodeRound(EngineBase):
         (:meth:`_drop_ahead`), so retract decides exactly as without overlap.
         """
         ahead = self._ahead_candidates(batch)
-        started = time.perf_counter()
-        forward = self.model.decode(
-            [r.row for r in batch],
-            [r.seq_len for r in batch],
-            [r.output_ids[-1] for r in batch],
-            sampling=[self._sampling(r) for r in batch],
-            pool_epoch=self.mem.epoch,
-        )
+        forward = self._timed_decode(batch)
         if not ahead:
-            result = await forward
-            self.stats.decode_s += time.perf_counter() - started
-            return result
-
-        async def timed_forward() -> Any:
-            try:
-                return await forward
-            finally:
-                self.stats.decode_s += time.perf_counter() - started
-
+            return await forward
         outcome = await asyncio.gather(
-            timed_forward(), self.mem.decode_step([r.row for r in ahead]), return_exceptions=True
+            forward, self.mem.decode_step([r.row for r in ahead]), return_exceptions=True
         )
         result, reserved = outcome
         if not isinstance(reserved, BaseException) and reserved.fits:
@@ -116,6 +100,20 @@ class DecodeRound(EngineBase):
             if isinstance(failure, BaseException):
                 raise failure
         return result
+
+    async def _timed_decode(self, batch: list[Req]) -> Any:
+        """The worker's decode forward pass of ``batch``, its wall time in ``decode_s``."""
+        started = time.perf_counter()
+        try:
+            return await self.model.decode(
+                [r.row for r in batch],
+                [r.seq_len for r in batch],
+                [r.output_ids[-1] for r in batch],
+                sampling=[self._sampling(r) for r in batch],
+                pool_epoch=self.mem.epoch,
+            )
+        finally:
+            self.stats.decode_s += time.perf_counter() - started
 
     def _ahead_candidates(self, batch: list[Req]) -> list[Req]:
         """The requests of ``batch`` to reserve the next step's slot for while it runs:
