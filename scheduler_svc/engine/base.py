@@ -122,13 +122,9 @@ class EngineBase:
 
     # -- endings ---------------------------------------------------------------
 
-    async def _finish(self, req: Req) -> None:
-        """Cache the finished request's KV in the tree and report the result."""
-        await self.mem.release(req.rid, req.fill_ids[: req.kv_len], is_insert=True)
-        self._finished(req)
-
     async def _finish_many(self, reqs: list[Req]) -> None:
-        """:meth:`_finish` for each of ``reqs``, their releases in one round trip."""
+        """Cache the finished requests' KV in the tree, their releases in one round
+        trip, and report each result."""
         if not reqs:
             return
         await self.mem.release_many([(r.rid, r.fill_ids[: r.kv_len], True) for r in reqs])

@@ -212,6 +212,7 @@ class DecodeEngine(Engine):
         done = await settled_rooms(self.mem, list(self.transfer))
         if not done:
             return False
+        finished = []
         for report in done:
             room = report["room"]
             req = self.transfer.pop(room)
@@ -223,10 +224,11 @@ class DecodeEngine(Engine):
                 continue
             self._commit(req, row, report)
             if req.check_finished(self.eos_token_ids):
-                await self._finish(req)
+                finished.append(req)
                 continue
             self.running.append(req)
             self.emit(req, False)
+        await self._finish_many(finished)
         return True
 
     def _commit(self, req: Req, row: int, report: dict[str, Any]) -> None:
