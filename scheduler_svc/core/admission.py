@@ -38,6 +38,7 @@ is always admitted, since it already holds KV.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
@@ -177,6 +178,12 @@ class PrefillAdder:
     def charge(self, extend_len: int, max_new_tokens: int) -> int:
         """What admitting ``extend_len`` tokens reserving ``max_new_tokens`` adds to the total."""
         return ceil_page(extend_len, self.page_size) + self.page_size + max_new_tokens
+
+    def scratch(self) -> PrefillAdder:
+        """A copy to judge candidates on without changing this budget."""
+        other = copy.copy(self)
+        other.admitted = list(self.admitted)
+        return other
 
     def could_admit(self, req: Req) -> bool:
         """Whether ``req`` could be admitted with the best prefix hit it could get.

@@ -16,7 +16,6 @@ at once are released in one ``release_many``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any
@@ -157,8 +156,7 @@ class PrefillRound(EngineBase):
         were cached (fewer round trips when hits make room; a candidate past the first
         refused may be matched, then closed unadmitted by the round's ``alloc_extend``).
         """
-        sim = copy.copy(adder)
-        sim.admitted = list(adder.admitted)
+        sim = adder.scratch()
         batch: list[Req] = []
         tokens = 0
         for req in self.waiting:
