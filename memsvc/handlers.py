@@ -5,6 +5,8 @@ decode and validate once, find the session, answer a retried op from the
 reply cache, dispatch through a table to the core, and build the reply (with
 the pool sizes and the epoch on every one). It never awaits, so each op is
 atomic; the asyncio shell in :mod:`memsvc.server` only moves frames.
+The batched ops are in :mod:`memsvc.handlers_batch` and the PD transfer ops
+in :mod:`memsvc.handlers_pd`, mixins of :class:`MemService`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.gcpolicy import gc_state
 from memsvc.handlers_batch import BatchHandlers
+from memsvc.handlers_pd import PdHandlers
 from memsvc.metrics import Metrics
 from memsvc.sessions import (
     REPLY_CACHE_BYTES,
@@ -49,7 +52,7 @@ class ServiceConfig:
     reply_cache_bytes: int = REPLY_CACHE_BYTES  # per session, for retried ops
 
 
-class MemService(BatchHandlers):
+class MemService(BatchHandlers, PdHandlers):
     def __init__(self, pool: KVPool, config: ServiceConfig, metrics: Metrics | None = None) -> None:
         self.pool = pool
         self.config = config
@@ -408,44 +411,3 @@ class MemService(BatchHandlers):
         self.pool.host_discard(msg.rid)
         self._settle(msg.rid)
         return {}, None
-
-    # -- PD transfer -------------------------------------------------------------
-
-    def _agent(self) -> TransferAgent:
-        if self.transfer is None:
-            raise InvalidArgumentError("this memsvc has no PD role (start it with --pd-role)")
-        return self.transfer
-
-    def _pd_expect(self, session: Session, msg: p.PdExpect) -> Reply:
-        self._own(session, msg.rid)
-        agent = self._agent()
-        agent.expect(msg.rid, msg.room)
-        agent.rooms[msg.room].owner = session.num
-        return {}, None
-
-    def _pd_send(self, session: Session, msg: p.PdSend) -> Reply:
-        self._own(session, msg.rid)
-        agent = self._agent()
-        agent.send(
-            msg.rid, msg.room, msg.num_tokens, msg.first_token, msg.cached_tokens, msg.peer_rid
-        )
-        agent.rooms[msg.room].owner = session.num
-        return {}, None
-
-    def _pd_status(self, session: Session, msg: p.PdStatus) -> Reply:
-        agent = self._agent()
-        rooms = msg.rooms.tolist()
-        self._own_rooms(session, agent, rooms)
-        return {"rooms": [agent.report(r) for r in rooms]}, None
-
-    def _pd_forget(self, session: Session, msg: p.PdForget) -> Reply:
-        agent = self._agent()
-        rooms = msg.rooms.tolist()
-        self._own_rooms(session, agent, rooms)
-        agent.forget(rooms)
-        return {}, None
-
-    @staticmethod
-    def _own_rooms(session: Session, agent: TransferAgent, rooms: list[int]) -> None:
-        if any(r in agent.rooms and agent.rooms[r].owner != session.num for r in rooms):
-            raise NotOwnerError("a room belongs to another session's request")
