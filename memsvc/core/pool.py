@@ -18,7 +18,9 @@ The pool delegates to its parts: the prefix cache (``tree``, a
 :class:`~memsvc.core.prefix_cache.PrefixCache`: :class:`RadixCache`, or
 :class:`HiRadixCache` over the host and storage tiers), each request's side
 of it (:mod:`memsvc.core.request_prefix`), batched decode rows
-(:mod:`memsvc.core.decode_rows`) and retraction (:mod:`memsvc.core.retract`).
+(:mod:`memsvc.core.decode_rows`) and retraction (:mod:`memsvc.core.retract`);
+the host-store ops (offload, load, host_discard) are a mixin,
+:class:`memsvc.core.pool_host.HostStoreOps`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from memsvc.core.hicache import HiCacheConfig, HiRadixCache
 from memsvc.core.host_store import HostStore
 from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
+from memsvc.core.pool_host import HostStoreOps
 from memsvc.core.prefix_cache import PrefixCache
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
@@ -79,7 +82,7 @@ class ReqKV:
         self.kv_lens[self.row] = value
 
 
-class KVPool:
+class KVPool(HostStoreOps):
     def __init__(
         self,
         layout: PoolLayout,
@@ -408,39 +411,6 @@ class KVPool:
         self.release(rid, token_ids, is_insert=True)
         self.tree.backup_prefix(token_ids)
         return self.tree.backup_bytes() - before
-
-    # -- host store ------------------------------------------------------------
-
-    def offload(self, rid: str, num_tokens: int | None = None) -> int:
-        """Copy the KV of the first ``num_tokens`` positions of ``rid`` to the host store."""
-        req = self.request(rid)
-        num_tokens = req.kv_len if num_tokens is None else num_tokens
-        if not 0 <= num_tokens <= req.kv_len:
-            raise InvalidArgumentError(
-                f"cannot offload {num_tokens} tokens of {rid!r}, which has {req.kv_len}"
-            )
-        slots = self.table.read(req.row, 0, num_tokens)
-        nbytes = self.host_store.offload(rid, slots, asynchronous=self.async_offload)
-        if self.async_offload:
-            self.allocator.copy_issued(self.host_store.fence(rid))
-        return nbytes
-
-    def load(self, rid: str, *, evict: bool = True) -> np.ndarray | None:
-        """Bring ``rid``'s offloaded KV back into fresh slots of its (empty) row.
-
-        Returns the slots, or ``None`` (nothing changed) when the pool has no room.
-        """
-        req = self.request(rid)
-        if req.kv_len:
-            raise InvalidArgumentError(f"load needs an empty row; {rid!r} holds {req.kv_len}")
-        num_tokens = self.host_store.num_tokens(rid)
-        slots = self.alloc_extend([(rid, num_tokens)], evict=evict)
-        if slots is not None:
-            self.host_store.load(rid, slots)
-        return slots
-
-    def host_discard(self, rid: str) -> None:
-        self.host_store.discard(rid)
 
     # -- integrity -------------------------------------------------------------
 
