@@ -24,7 +24,7 @@ from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
 from memsvc.gcpolicy import gc_state
-from memsvc.handlers_batch import BatchHandlers
+from memsvc.handlers_batch import BatchHandlers, split_tokens
 from memsvc.handlers_pd import PdHandlers
 from memsvc.metrics import Metrics
 from memsvc.sessions import (
@@ -363,12 +363,10 @@ class MemService(BatchHandlers, PdHandlers):
         offload = np.array([t is p.RetractTarget.HOST_ENTRY for t in msg.targets], bool)
         to_tree = None
         if msg.tree_lens is not None:  # hicache: these victims' KV goes into the tree
-            ends = np.cumsum(msg.tree_lens).tolist()
+            parts = split_tokens(msg.tree_tokens, msg.tree_lens)
             to_tree = {
-                row: msg.tree_tokens[end - n : end]
-                for row, n, end, target in zip(
-                    msg.rows.tolist(), msg.tree_lens.tolist(), ends, msg.targets, strict=True
-                )
+                row: tokens
+                for row, tokens, target in zip(msg.rows.tolist(), parts, msg.targets, strict=True)
                 if target is p.RetractTarget.TREE
             }
         result = self.pool.retract(
