@@ -56,6 +56,18 @@ def _as_int_array(value: Any) -> np.ndarray:
 
 
 IntArray = Annotated[np.ndarray, BeforeValidator(_as_int_array)]
+
+
+def _check_split(lens: np.ndarray, values: np.ndarray, count: int, what: str) -> None:
+    """``lens`` splits ``values`` into ``count`` parts: one length >= 0 each, adding up
+    to its size. ``what``: "<lens field>/<values field>/<part>", for the messages."""
+    lens_name, values_name, part = what.split("/")
+    if lens.size != count or (lens < 0).any():
+        raise ValueError(f"{lens_name} needs one length >= 0 per {part}")
+    if int(lens.sum()) != values.size:
+        raise ValueError(f"{lens_name} must add up to the size of {values_name}")
+
+
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LEN)]
 
 
@@ -134,10 +146,7 @@ class TokenBatch(Message):
 
     @model_validator(mode="after")
     def _one_length_per_rid(self) -> TokenBatch:
-        if self.token_lens.size != len(self.rids):
-            raise ValueError("token_lens needs one length per rid")
-        if (self.token_lens < 0).any() or int(self.token_lens.sum()) != self.token_ids.size:
-            raise ValueError("token_lens must be >= 0 and add up to the size of token_ids")
+        _check_split(self.token_lens, self.token_ids, len(self.rids), "token_lens/token_ids/rid")
         if len(set(self.rids)) != len(self.rids):
             raise ValueError("a rid appears twice in one batch")
         return self
@@ -236,10 +245,8 @@ class Retract(Message):
         ):
             raise ValueError("tree_tokens and tree_lens go with rows retracted into the tree")
         if self.tree_lens is not None:
-            if self.tree_lens.shape != self.rows.shape or (self.tree_lens < 0).any():
-                raise ValueError("tree_lens needs one length >= 0 per row")
-            if int(self.tree_lens.sum()) != self.tree_tokens.size:
-                raise ValueError("tree_lens must add up to the size of tree_tokens")
+            lens, tokens = self.tree_lens, self.tree_tokens
+            _check_split(lens, tokens, self.rows.size, "tree_lens/tree_tokens/row")
         return self
 
 
