@@ -72,7 +72,8 @@ class PageAllocator:
         self._owner = np.zeros(num_pages + 1, dtype=np.int32)
         self._owner[0] = OWNER_RESERVED  # the padding page is never handed out
         self._copy_fence: CopyFence | None = None  # the newest copy that may still run
-        self._page_fences: dict[int, CopyFence] = {}  # page -> a copy reading it (copy_reads)
+        # (copy, the pages it reads) of the copy_reads copies maybe still running
+        self._reads: list[tuple[CopyFence, np.ndarray]] = []
         self._pending: deque[tuple[list[CopyFence], np.ndarray]] = deque()
         self._num_pending = 0
 
@@ -106,8 +107,7 @@ class PageAllocator:
         """An asynchronous copy that reads ``pages`` and no other pool page was started:
         those pages, if freed before ``fence`` is done, wait for it; other frees do not."""
         if not fence.done():
-            for page in pages.tolist():
-                self._page_fences[page] = fence
+            self._reads.append((fence, np.asarray(pages, dtype=SLOT_DTYPE).copy()))
 
     def reclaim(self, *, need: int = 0) -> None:
         """Move pending pages whose copies are done to the free list; with ``need``,
@@ -182,10 +182,10 @@ class PageAllocator:
             fences.append(fence)
         else:
             self._copy_fence = None
-        if self._page_fences:
-            for page in pages.tolist():
-                reader = self._page_fences.pop(page, None)
-                if reader is not None and not reader.done() and reader not in fences:
+        if self._reads:  # few at a time: the copies still running, pruned here
+            self._reads = [(f, read) for f, read in self._reads if not f.done()]
+            for reader, read in self._reads:
+                if reader not in fences and np.isin(pages, read).any():
                     fences.append(reader)
         if fences:
             self._owner[pages] = OWNER_PENDING
