@@ -9,7 +9,7 @@ so that drift on a shared machine hits every side of a ratio alike:
   frames, in this process over a pool of the same size built by the same ops
   (``handler``: ``handle`` alone; ``call``: with the client's packing and parsing);
 - ``echo``: a bare ZMQ round trip of the same frames to a server that answers
-  with a captured reply (``bench/memsvc_ops.py``'s echo server).
+  with a captured reply (``bench/zmq_echo.py``'s echo server).
 
 The pool has a small KV layout (1 layer, 1 KV head, head dim 4, float16) so a
 million tokens take 16 MB. Every request of a decode batch has a 2,048-token

@@ -48,7 +48,7 @@ from control_plane_mem import (  # bench/, on the path as the script's folder
     timed_inproc,
     tree_tokens,
 )
-from memsvc_ops import echo_roundtrip, running_echo  # bench/ too
+from zmq_echo import echo_roundtrip, running_echo  # bench/ too
 
 from memsvc.client import Call, RetractTarget
 from memsvc.core import KVPool

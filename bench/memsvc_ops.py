@@ -44,17 +44,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import numpy as np
 import zmq
+from zmq_echo import echo_roundtrip, running_echo  # bench/, on the path as the script's folder
 
 from kvstack.stack.launch import Launcher
 from memsvc import protocol as p
@@ -131,40 +130,6 @@ def time_calls(
         start = time.perf_counter()
         call()
         into.append(time.perf_counter() - start)
-
-
-# -- processes ---------------------------------------------------------------------
-
-
-def serve_echo(address: str, replies: dict[int, list[bytes]], ready: Event) -> None:
-    """The echo server: answer each request with the reply keyed by its last frame's size."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(address)
-    ready.set()
-    while True:  # ends with SIGTERM
-        frames = sock.recv_multipart()
-        sock.send_multipart([frames[0], *replies[len(frames[-1])]])
-
-
-@contextlib.contextmanager
-def running_echo(workdir: Path, replies: dict[int, list[bytes]]) -> Iterator[str]:
-    address = f"ipc://{workdir}/echo.sock"
-    mp = multiprocessing.get_context("spawn")
-    ready = mp.Event()
-    proc = mp.Process(target=serve_echo, args=(address, replies, ready), name="echo", daemon=True)
-    proc.start()
-    try:
-        if not ready.wait(30):
-            raise RuntimeError("the echo server did not start")
-        yield address
-    finally:
-        proc.terminate()
-        proc.join(STOP_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 # -- memsvc ops --------------------------------------------------------------------
@@ -333,25 +298,6 @@ def capture_decode_frames(
     for rid in rids:
         client.free_row(rid)
     return request, reply
-
-
-@contextlib.contextmanager
-def echo_roundtrip(address: str, request: list[bytes]) -> Iterator[Callable[[], None]]:
-    """A raw DEALER round trip of ``request`` to the echo server."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-
-    def roundtrip() -> None:
-        sock.send_multipart(request)
-        sock.recv_multipart()
-
-    try:
-        yield roundtrip
-    finally:
-        sock.close(0)
-        ctx.term()
 
 
 # -- main --------------------------------------------------------------------------
