@@ -51,6 +51,10 @@ class KVBuffers(ABC):
 
     layout: PoolLayout
     req_to_token: np.ndarray
+    # Hybrid layouts only (None otherwise): the SWA pool's buffer and the full page ->
+    # SWA page table (host arrays on shm; see the backend for where the device's live).
+    swa_kv: Any = None
+    full_to_swa_page: np.ndarray | None = None
 
     @abstractmethod
     def handle(self) -> dict[str, Any]:
@@ -63,6 +67,12 @@ class KVBuffers(ABC):
     @abstractmethod
     def write_cells(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
         """``req_to_token[rows[i], positions[i]] = values[i]`` (host and device)."""
+
+    def write_full_to_swa(self, full_pages: np.ndarray, swa_pages: np.ndarray | int) -> None:
+        """``full_to_swa_page[full_pages[i]] = swa_pages[i]`` (0: no SWA page); hybrid only.
+        This default writes the host table, which on shm is the shared one itself."""
+        assert self.full_to_swa_page is not None, "not a hybrid layout"
+        self.full_to_swa_page[np.asarray(full_pages, dtype=np.int64)] = swa_pages
 
     @abstractmethod
     def alloc_host(self, num_pages: int) -> np.ndarray:
@@ -141,6 +151,8 @@ class AttachedBuffers(ABC):
     """Attacher side: zero-copy views of another process's pool."""
 
     layout: PoolLayout
+    swa_kv: Any = None  # hybrid layouts only
+    full_to_swa_page: Any = None
 
     @abstractmethod
     def kv_torch(self) -> Any:
@@ -149,6 +161,15 @@ class AttachedBuffers(ABC):
     @abstractmethod
     def req_to_token_torch(self) -> Any:
         """The ``req_to_token`` table as an int32 torch tensor."""
+
+    def swa_kv_torch(self) -> Any:
+        """The SWA pool's buffer, shape ``layout.swa_kv_shape``; None unless hybrid."""
+        return None
+
+    def full_to_swa_page_torch(self) -> Any:
+        """The int32 full page -> SWA page table, shape ``(num_pages + 1,)`` (0: no SWA
+        page); None unless hybrid."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

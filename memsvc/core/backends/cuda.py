@@ -53,6 +53,11 @@ class CudaBuffers(KVBuffers):
     def __init__(self, layout: PoolLayout, device: int = 0, pinned_host: bool = True) -> None:
         """``pinned_host=False`` gives a pageable host store (for comparison only:
         copies from pageable memory are staged by the driver and run slower)."""
+        if layout.is_hybrid:
+            raise BackendUnavailableError(
+                "backend 'cuda' has no SWA pool yet: a hybrid (sliding-window) layout runs on "
+                "--backend shm"
+            )
         cp = import_cupy()
         self.pinned_host = pinned_host
         self._cp = cp

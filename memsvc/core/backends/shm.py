@@ -37,6 +37,7 @@ def _segment_path(name: str) -> str:
 
 
 def _map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
+    size = max(size, 1)  # a pure-SWA model's kv buffer has no bytes; mmap needs one
     path = _segment_path(name)
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
@@ -51,6 +52,10 @@ def _map_segment(name: str, size: int, *, create: bool) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def _view(mapping: mmap.mmap, dtype: np.dtype | type, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(mapping, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 def _unlink_quietly(paths: list[str]) -> None:
@@ -101,15 +106,28 @@ class ShmBuffers(KVBuffers):
         stem = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         self.kv_name = f"{stem}-kv"
         self.req_to_token_name = f"{stem}-r2t"
-        paths = [_segment_path(self.kv_name), _segment_path(self.req_to_token_name)]
+        names = [self.kv_name, self.req_to_token_name]
+        if layout.is_hybrid:  # the SWA pool and the full page -> SWA page table
+            self.swa_kv_name = f"{stem}-swa"
+            self.full_to_swa_page_name = f"{stem}-f2s"
+            names += [self.swa_kv_name, self.full_to_swa_page_name]
         # Registered before creating anything, so a failure half-way still unlinks.
-        self._finalizer = weakref.finalize(self, _unlink_quietly, paths)
+        self._finalizer = weakref.finalize(
+            self, _unlink_quietly, [_segment_path(n) for n in names]
+        )
         self._kv_map = _map_segment(self.kv_name, layout.kv_bytes, create=True)
         self._r2t_map = _map_segment(self.req_to_token_name, layout.req_to_token_bytes, create=True)
-        self.kv = np.frombuffer(self._kv_map, dtype=layout.storage_dtype).reshape(layout.kv_shape)
-        self.req_to_token = np.frombuffer(self._r2t_map, dtype=np.int32).reshape(
-            layout.req_to_token_shape
-        )
+        self.kv = _view(self._kv_map, layout.storage_dtype, layout.kv_shape)
+        self.req_to_token = _view(self._r2t_map, np.int32, layout.req_to_token_shape)
+        self._maps = [self._kv_map, self._r2t_map]
+        if layout.is_hybrid:
+            swa_map = _map_segment(self.swa_kv_name, layout.swa_kv_bytes, create=True)
+            f2s_map = _map_segment(
+                self.full_to_swa_page_name, layout.full_to_swa_page_bytes, create=True
+            )
+            self._maps += [swa_map, f2s_map]
+            self.swa_kv = _view(swa_map, layout.storage_dtype, layout.swa_kv_shape)
+            self.full_to_swa_page = _view(f2s_map, np.int32, layout.full_to_swa_page_shape)
         self._copier: ThreadPoolExecutor | None = None  # started by the first async copy
 
     def handle(self) -> dict[str, Any]:
@@ -118,6 +136,11 @@ class ShmBuffers(KVBuffers):
             "layout": self.layout.to_dict(),
             "kv": self.kv_name,
             "req_to_token": self.req_to_token_name,
+            **(
+                {"swa_kv": self.swa_kv_name, "full_to_swa_page": self.full_to_swa_page_name}
+                if self.layout.is_hybrid
+                else {}
+            ),
         }
 
     def write_row(self, row: int, start: int, values: np.ndarray) -> None:
@@ -177,36 +200,59 @@ class ShmBuffers(KVBuffers):
             self._copier.shutdown(wait=True)  # no copy may touch the mapping after this
         self._finalizer()  # unlink first: existing mappings stay valid
         self.kv = self.req_to_token = None  # type: ignore[assignment]
-        _close_mapping(self._kv_map)
-        _close_mapping(self._r2t_map)
+        self.swa_kv = self.full_to_swa_page = None
+        for mapping in self._maps:
+            _close_mapping(mapping)
 
 
 class ShmAttached(AttachedBuffers):
     def __init__(self, handle: dict[str, Any]) -> None:
-        self.layout = PoolLayout.from_dict(handle["layout"])
-        self._kv_map = _map_segment(handle["kv"], self.layout.kv_bytes, create=False)
-        self._r2t_map = _map_segment(
-            handle["req_to_token"], self.layout.req_to_token_bytes, create=False
+        self.layout = layout = PoolLayout.from_dict(handle["layout"])
+        self._maps: list[mmap.mmap] = []
+        self.kv = self._attach(handle["kv"], layout.kv_bytes, layout.storage_dtype, layout.kv_shape)
+        self.req_to_token = self._attach(
+            handle["req_to_token"], layout.req_to_token_bytes, np.int32, layout.req_to_token_shape
         )
-        self.kv = np.frombuffer(self._kv_map, dtype=self.layout.storage_dtype).reshape(
-            self.layout.kv_shape
-        )
-        self.req_to_token = np.frombuffer(self._r2t_map, dtype=np.int32).reshape(
-            self.layout.req_to_token_shape
-        )
+        if layout.is_hybrid:
+            self.swa_kv = self._attach(
+                handle["swa_kv"], layout.swa_kv_bytes, layout.storage_dtype, layout.swa_kv_shape
+            )
+            self.full_to_swa_page = self._attach(
+                handle["full_to_swa_page"],
+                layout.full_to_swa_page_bytes,
+                np.int32,
+                layout.full_to_swa_page_shape,
+            )
 
-    def kv_torch(self) -> Any:
+    def _attach(self, name: str, size: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+        mapping = _map_segment(name, size, create=False)
+        self._maps.append(mapping)
+        return _view(mapping, dtype, shape)
+
+    def _kv_tensor(self, array: np.ndarray) -> Any:
         import torch
 
-        tensor = torch.from_numpy(self.kv)
+        tensor = torch.from_numpy(array)
         return tensor.view(torch.bfloat16) if self.layout.dtype == "bfloat16" else tensor
+
+    def kv_torch(self) -> Any:
+        return self._kv_tensor(self.kv)
 
     def req_to_token_torch(self) -> Any:
         import torch
 
         return torch.from_numpy(self.req_to_token)
 
+    def swa_kv_torch(self) -> Any:
+        return None if self.swa_kv is None else self._kv_tensor(self.swa_kv)
+
+    def full_to_swa_page_torch(self) -> Any:
+        import torch
+
+        return None if self.full_to_swa_page is None else torch.from_numpy(self.full_to_swa_page)
+
     def close(self) -> None:
         self.kv = self.req_to_token = None  # type: ignore[assignment]
-        _close_mapping(self._kv_map)
-        _close_mapping(self._r2t_map)
+        self.swa_kv = self.full_to_swa_page = None
+        for mapping in self._maps:
+            _close_mapping(mapping)
