@@ -34,6 +34,13 @@ also its charge, so admissions never overdraw the budget. (SGLang checks with
 the unrounded ``extend``, which can overdraw by up to a page: a difference
 kept on purpose, see docs/sglang-differences.md.) Only the in-progress chunk
 is always admitted, since it already holds KV.
+
+Hybrid (sliding-window) models add SGLang 0.5.23's separate SWA gate
+(:class:`~scheduler_svc.core.swa_budget.SwaPrefillGate`, D26): the budget
+state is NO_TOKEN also when ``remaining_swa`` is gone; a request must pass the
+SWA check too, which may lower its chunk limit (D30); and the in-progress
+chunk is parked for the round (not admitted, nothing charged) when the SWA
+budget leaves it nothing (D32). A pure-SWA model bases ``A`` on the SWA pool.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import NamedTuple
 
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Req
+from scheduler_svc.core.swa_budget import SwaPrefillGate
 
 
 def ceil_page(num_tokens: int, page_size: int) -> int:
@@ -106,6 +114,7 @@ class PrefillAdder:
         new_token_ratio: float | None = None,
         num_running_reqs: int | None = None,
         chunked_req: Req | None = None,
+        swa: SwaPrefillGate | None = None,
     ) -> None:
         if available_tokens < 0:
             raise ValueError(f"available_tokens must be >= 0, got {available_tokens}")
@@ -115,6 +124,9 @@ class PrefillAdder:
             new_token_ratio = 0.0
         self.config = config
         self.page_size = config.page_size
+        self.swa = swa
+        if swa is not None and swa.spec.all_swa:  # every layer windowed: the SWA pool is A
+            available_tokens = max(swa.base_tokens, 0)
         self.available_tokens = available_tokens
         self.new_token_ratio = new_token_ratio
         self.num_running_reqs = len(running_reqs) if num_running_reqs is None else num_running_reqs
@@ -156,6 +168,8 @@ class PrefillAdder:
     def budget_state(self) -> AddResult:
         if self.remaining_total_tokens <= 0 or self.remaining_current_tokens <= 0:
             return AddResult.NO_TOKEN
+        if self.swa is not None and not self.swa.has_capacity():
+            return AddResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (
             self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
         ):
@@ -183,6 +197,7 @@ class PrefillAdder:
         """A copy to judge candidates on without changing this budget."""
         other = copy.copy(self)
         other.admitted = list(self.admitted)
+        other.swa = copy.copy(self.swa)
         return other
 
     def could_admit(self, req: Req) -> bool:
@@ -227,6 +242,8 @@ class PrefillAdder:
         self.rem_input_tokens -= paged
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= paged
+        if self.swa is not None:
+            self.swa.reserve(extend_len, max_new_tokens)
         self.admitted.append(Admission(req, prefix_len, extend_len))
 
     def _log_tokens(self, req: Req, hit_len: int, extend_len: int) -> None:
@@ -251,6 +268,10 @@ class PrefillAdder:
             return False
         if self.charge(kv_len, self.remaining_max_new(req)) >= self.remaining_total_tokens:
             return False
+        if self.swa is not None:
+            if not self.swa.check(kv_len, self.remaining_max_new(req), None)[0]:
+                return False
+            self.swa.reserve(kv_len, self.reserved_max_new(req))
         paged = ceil_page(kv_len, self.page_size)
         self.admitted_offset += paged + self.page_size + self.reserved_max_new(req)
         self.current_offset += paged + self.page_size
@@ -278,9 +299,17 @@ class PrefillAdder:
         full_len = req.seq_len - prefix_len
         if full_len < 1:
             raise ValueError(f"chunked request {req.rid!r} has nothing left to prefill")
-        limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))
-        if limit <= 0:  # the total budget is gone: the chunk budget alone decides
-            limit = self.rem_chunk_tokens
+        if self.swa is not None:
+            swa_limit = self.swa.available_chunk_tokens(
+                self.rem_chunk_tokens, self.remaining_total_tokens
+            )
+            if swa_limit is None:  # parked: not admitted this round, nothing charged
+                return AddDecision(self.budget_state(), 0)
+            limit = swa_limit
+        else:
+            limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))
+            if limit <= 0:  # the total budget is gone: the chunk budget alone decides
+                limit = self.rem_chunk_tokens
         extend_len = min(full_len, limit)
         is_last = extend_len == full_len
         self._reserve(req, prefix_len, extend_len, self.reserved_max_new(req) if is_last else 0)
@@ -315,12 +344,17 @@ class PrefillAdder:
             return AddDecision(state, 0)
         if self.charge(extend_len, self.remaining_max_new(req)) >= self.remaining_total_tokens:
             return AddDecision(AddResult.NO_TOKEN, 0)
+        chunk_limit = self.rem_chunk_tokens
+        if self.swa is not None:  # the SWA gate may lower the chunk limit (SGLang's D30)
+            fits, chunk_limit = self.swa.check(extend_len, self.remaining_max_new(req), chunk_limit)
+            if not fits:
+                return AddDecision(AddResult.NO_TOKEN, 0)
         input_tokens = ceil_page(extend_len, self.page_size)
-        if self.rem_chunk_tokens is None:
+        if chunk_limit is None:
             if self.admitted and input_tokens >= self.rem_input_tokens:
                 return AddDecision(AddResult.OTHER, 0)
-        elif input_tokens > self.rem_chunk_tokens:
-            chunk_len = self._chunk_len(prefix_len, self.rem_chunk_tokens)
+        elif input_tokens > chunk_limit:
+            chunk_len = self._chunk_len(prefix_len, chunk_limit)
             if chunk_len <= 0:
                 return AddDecision(AddResult.OTHER, 0)
             self._reserve(req, prefix_len, chunk_len, 0)
@@ -332,8 +366,9 @@ class PrefillAdder:
         return AddDecision(self.budget_state(), extend_len)
 
     def __repr__(self) -> str:
+        swa = "" if self.swa is None else f"remaining_swa={self.swa.remaining_swa}, "
         return (
-            f"PrefillAdder(remaining_total={self.remaining_total_tokens:.1f}, "
+            f"PrefillAdder(remaining_total={self.remaining_total_tokens:.1f}, {swa}"
             f"remaining_current={self.remaining_current_tokens}, "
             f"rem_input={self.rem_input_tokens}, rem_chunk={self.rem_chunk_tokens}, "
             f"admitted={len(self.admitted)})"

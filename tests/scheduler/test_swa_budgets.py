@@ -1,0 +1,335 @@
+"""The SWA pool's budgets (issue 29 item 3): one test per SGLang 0.5.23 formula.
+
+The expected values are worked by hand from the reference's formulas
+(sglang-retract-semantics.md §3.2, §5.2-5.5, §7.2; differences D15, D26, D30,
+D32, D41-D43), written out beside each assertion. Pure core: no pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.core import AddDecision, AddResult, PrefillAdder, RequestTooLargeError
+from scheduler_svc.core.swa_budget import (
+    DecodeMemCheck,
+    SwaPrefillGate,
+    SwaSizes,
+    SwaSpec,
+    check_decode_mem,
+    check_swa_fits,
+    estimate_swa_kv_tokens,
+    need_swa_single,
+    prealloc_required_tokens,
+    swa_allocatable_tokens,
+    swa_retractable_len,
+    swa_sizes_of,
+    swa_spec_of,
+    swa_tail_len,
+)
+from tests.scheduler.helpers import config, make_req
+
+CONTINUE, NO_TOKEN, OTHER = AddResult.CONTINUE, AddResult.NO_TOKEN, AddResult.OTHER
+W, PS = 128, 16
+
+
+def spec(capacity: int = 1024, **kw) -> SwaSpec:
+    return SwaSpec(
+        sliding_window=kw.pop("window", W),
+        capacity=capacity,
+        page_size=kw.pop("page_size", PS),
+        **kw,
+    )
+
+
+# -- _swa_tail_len / _swa_retractable_len ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "tail"),
+    [
+        (0, 0),
+        (100, 100),  # shorter than the window: all of it
+        (128, 128),  # exactly W
+        (130, 130),  # start 2, floored to page 0
+        (150, 134),  # start 22 -> page start 16: 150 - 16
+        (1000, 136),  # start 872 -> 864: 1000 - 864
+    ],
+)
+def test_swa_tail_len(seq_len, tail):
+    # L - floor_page(max(0, L - W))
+    assert swa_tail_len(seq_len, W, PS) == tail
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "window", "plain", "radix"),
+    [
+        (1000, 128, 136, 136),  # radix start 1000-1-128 = 871 -> 864, as plain
+        (144, 128, 128, 144),  # plain start 16 -> 16; radix start 15 -> 0
+        (145, 128, 129, 129),  # plain 17 -> 16; radix 16 -> 16
+        (96, 8, 16, 32),  # W < page: plain 88 -> 80; radix 96-1-16 = 79 -> 64
+    ],
+)
+def test_swa_tail_len_with_the_decode_radix_cache(seq_len, window, plain, radix):
+    # D42: window_start = max(0, L - 1 - max(W, ps)), page floored
+    assert swa_tail_len(seq_len, window, PS) == plain
+    assert swa_tail_len(seq_len, window, PS, decode_radix_cache=True) == radix
+
+
+def test_swa_tail_len_page_size_one_is_the_window():
+    assert swa_tail_len(1000, W, 1) == 128
+    assert swa_tail_len(10, W, 1) == 10
+
+
+def test_swa_retractable_len():
+    # _swa_tail_len(len(origin)) + len(output) = 136 + 50
+    assert swa_retractable_len(1000, 50, spec()) == 186
+    # full length without tail prealloc (page_size 1) or without an SWA pool
+    assert swa_retractable_len(1000, 50, spec(page_size=1)) == 1050
+    assert swa_retractable_len(1000, 50, None) == 1050
+
+
+# -- the SWA reservation of an admission -------------------------------------------
+
+
+def test_estimate_swa_kv_tokens():
+    # max(allocated - W, 0) + min(extend + max_new, W) + page
+    assert estimate_swa_kv_tokens(1000, 100, W, PS) == 872 + 128 + 16
+    assert estimate_swa_kv_tokens(1000, 100, W, PS, allocation_limit=256) == 128 + 128 + 16
+    assert estimate_swa_kv_tokens(64, 20, W, PS) == 0 + 84 + 16
+    assert estimate_swa_kv_tokens(64, 20, 0, PS) == 64 + 20 + 16  # no window: everything
+
+
+# -- check_decode_mem (D15) ----------------------------------------------------------
+
+
+def test_check_decode_mem_single_pool_evicts_the_shortfall():
+    # n = 32: evict 32 - 20 = 12; 20 + min(12, 100) = 32 >= 32
+    assert check_decode_mem(32, 20, 100) == DecodeMemCheck(12, 0, True)
+    # evictable 5: 25 < 32
+    assert check_decode_mem(32, 20, 5) == DecodeMemCheck(12, 0, False)
+    assert check_decode_mem(32, 40, 0) == DecodeMemCheck(0, 0, True)
+
+
+def test_check_decode_mem_hybrid_evicts_both_shortfalls_and_needs_both_pools():
+    # full: 20 + 12 evicted; SWA: 40 already >= 32
+    assert check_decode_mem(32, 20, 100, SwaSizes(40, 0)) == DecodeMemCheck(12, 0, True)
+    # SWA short by 22, only 15 evictable: min(32, 25) < 32
+    assert check_decode_mem(32, 20, 100, SwaSizes(10, 15)) == DecodeMemCheck(12, 22, False)
+    # SWA short by 22, 30 evictable: both reach 32
+    assert check_decode_mem(32, 20, 100, SwaSizes(10, 30)) == DecodeMemCheck(12, 22, True)
+    # the full pool alone short: fails though the SWA pool is fine
+    assert check_decode_mem(32, 20, 0, SwaSizes(100, 0)) == DecodeMemCheck(12, 0, False)
+
+
+# -- PrefillAdder's SWA gate (D26, D30, D32) -----------------------------------------------
+
+
+def adder(available_swa: int, evictable_swa: int = 0, capacity: int = 1024, **cfg) -> PrefillAdder:
+    gate = SwaPrefillGate(spec(capacity), SwaSizes(available_swa, evictable_swa))
+    return PrefillAdder(config(page_size=PS, **cfg), 100_000, swa=gate)
+
+
+def test_swa_gate_is_separate_from_the_full_budget():
+    a = adder(500, 100)  # remaining_swa = 600
+    # A: ceil_page(300) = 304: (304 - 128) + min(354, 128) + 16 = 320 < 600
+    assert a.add_one_req(make_req("a", 300, max_new_tokens=50), 0) == AddDecision(CONTINUE, 300)
+    assert a.swa.remaining_swa == 280
+    # the full budget is charged as without the gate: 304 + 16 + 50
+    assert a.remaining_total_tokens == 100_000 - 370
+    # B: 208 -> 80 + 128 + 16 = 224 < 280
+    assert a.add_one_req(make_req("b", 200, max_new_tokens=10), 0) == AddDecision(CONTINUE, 200)
+    assert a.swa.remaining_swa == 56
+    # C: 48 -> 0 + 58 + 16 = 74 >= 56, a transient shortfall: NO_TOKEN, nothing charged
+    assert a.add_one_req(make_req("c", 40, max_new_tokens=10), 0) == AddDecision(NO_TOKEN, 0)
+    assert a.swa.remaining_swa == 56 and len(a.admitted) == 2
+
+
+def test_swa_gate_is_strict():
+    # 48 -> 58 + 16 = 74: needs remaining_swa > 74
+    assert adder(74).add_one_req(make_req("c", 40, max_new_tokens=10), 0).extend_len == 0
+    assert adder(75).add_one_req(make_req("c", 40, max_new_tokens=10), 0).extend_len == 40
+
+
+def test_budget_state_needs_remaining_swa():
+    # has_capacity also requires remaining_swa > 0 (D26)
+    assert adder(0).budget_state() is NO_TOKEN
+    assert adder(0, 1).budget_state() is CONTINUE
+    assert adder(0).add_one_req(make_req("a", 4, max_new_tokens=1), 0) == AddDecision(NO_TOKEN, 0)
+
+
+def test_swa_gate_lowers_the_chunk_limit_of_a_request_that_never_fits():
+    # capacity 512, 500 free; chunk 512: (512 - 128) + 128 + 16 = 528 >= 500 and >= 512:
+    # never fits, so the chunk limit drops to floor_page(500 - (0 + 100 + 16)) = 384 (D30)
+    a = adder(500, capacity=512, chunked_prefill_size=512)
+    assert a.add_one_req(make_req("long", 2000, max_new_tokens=100), 0) == AddDecision(
+        CONTINUE, 384
+    )
+    # the chunk reserves (384 - 128) + 128 + 16 = 400 SWA tokens, no output
+    assert a.swa.remaining_swa == 100
+    assert a.new_chunked_req is not None and a.rem_chunk_tokens == 512 - 384
+
+
+def test_swa_gate_chunk_ends_on_a_page_boundary_of_the_sequence():
+    # lowered limit 384, prefix 8: floor_page(8 + 384) - 8 = 376 (D30's absolute re-floor)
+    a = adder(500, capacity=512, chunked_prefill_size=512)
+    assert a.add_one_req(make_req("long", 2000, max_new_tokens=100), 8).extend_len == 376
+
+
+def test_swa_gate_transient_shortfall_waits_rather_than_shrinking():
+    # same request, capacity 2048: 528 >= 500 but < 2048: it waits (NO_TOKEN)
+    a = adder(500, capacity=2048, chunked_prefill_size=512)
+    assert a.add_one_req(make_req("long", 2000, max_new_tokens=100), 0) == AddDecision(NO_TOKEN, 0)
+
+
+def test_swa_gate_without_chunking_cannot_shrink():
+    a = adder(500, capacity=512)
+    assert a.add_one_req(make_req("long", 2000, max_new_tokens=100), 0) == AddDecision(NO_TOKEN, 0)
+
+
+def in_progress(input_len: int, done: int):
+    req = make_req("chunked", input_len=input_len, max_new_tokens=100)
+    req.start_prefill(row=1, prefix_len=0, extend_len=done)
+    req.complete_extend()
+    return req
+
+
+def chunk_adder(available_swa: int, req) -> PrefillAdder:
+    gate = SwaPrefillGate(spec(), SwaSizes(available_swa, 0))
+    return PrefillAdder(
+        config(page_size=PS, chunked_prefill_size=512), 100_000, chunked_req=req, swa=gate
+    )
+
+
+def test_in_progress_chunk_is_cut_by_the_swa_budget():
+    # min(512, remaining_total, remaining_swa - page) = min(512, .., 100 - 16) = 84
+    req = in_progress(2000, 512)
+    a = chunk_adder(100, req)
+    assert a.add_chunked_req(req).extend_len == 84
+
+
+def test_in_progress_chunk_is_parked_by_the_swa_budget():
+    # remaining_swa - page = 16 - 16 = 0: parked, returned unadmitted, nothing charged (D32)
+    req = in_progress(2000, 512)
+    a = chunk_adder(16, req)
+    assert a.add_chunked_req(req) == AddDecision(CONTINUE, 0)
+    assert a.admitted == [] and a.swa.remaining_swa == 16
+    assert a.remaining_total_tokens == 100_000
+    # the round may go on with the waiting requests
+    assert a.add_one_req(make_req("w", 4, max_new_tokens=1), 0) == AddDecision(NO_TOKEN, 0)
+
+
+def test_pure_swa_model_bases_the_total_budget_on_the_swa_pool():
+    gate = SwaPrefillGate(spec(all_swa=True), SwaSizes(300, 50))
+    a = PrefillAdder(config(page_size=PS), 100_000, swa=gate)
+    assert a.remaining_total_tokens == 350 and a.remaining_current_tokens == 350
+
+
+def test_scratch_copy_does_not_charge_the_real_swa_gate():
+    a = adder(500)
+    sim = a.scratch()
+    sim.add_one_req(make_req("a", 300, max_new_tokens=50), 0)
+    assert sim.swa.remaining_swa == 180 and a.swa.remaining_swa == 500
+
+
+def test_resumed_request_passes_the_swa_gate():
+    # kv_len 299 -> 304: 176 + min(304 + 50, 128) + 16 = 320
+    req = make_req("r", 300, max_new_tokens=50)
+    assert not adder(320).add_resumed_req(req)
+    a = adder(321)
+    assert a.add_resumed_req(req) and a.swa.remaining_swa == 1
+
+
+def test_no_swa_gate_keeps_the_single_pool_rule():
+    a = PrefillAdder(config(page_size=PS), 1000)
+    assert a.swa is None
+    assert a.add_one_req(make_req("a", 300, max_new_tokens=50), 0) == AddDecision(CONTINUE, 300)
+    assert a.remaining_total_tokens == 1000 - 370
+
+
+# -- PD decode pre-allocation (D41, D42) ------------------------------------------------
+
+
+def test_prealloc_required_tokens_page_ceils_then_adds_the_reserve():
+    # full: ceil_page(1000) = 1008, + 512; SWA: tail 136 -> 144, + 512
+    assert prealloc_required_tokens(1000, PS, 512, spec()) == (1520, 656)
+    # radix cache off: no reserve on the SWA side
+    assert prealloc_required_tokens(1000, PS, 512, spec(radix_cache=False)) == (1520, 144)
+    # page_size 1: no tail prealloc, no ceiling
+    assert prealloc_required_tokens(1000, 1, 512, spec(page_size=1)) == (1512, 1512)
+    # not hybrid: the SWA requirement is the full one
+    assert prealloc_required_tokens(1000, PS, 512) == (1520, 1520)
+
+
+def test_need_swa_single():
+    running = [(1000, 200), (300, 8192)]
+    # max(136 + 200, (300 - 160) + min(8192, 4096)) - 400 = 4236 - 400
+    assert need_swa_single(running, 400, spec(), 4096) == 3836
+    assert need_swa_single(running, None, spec(), 4096) == 0
+    assert need_swa_single([], 400, spec(), 4096) == 0
+
+
+def test_swa_allocatable_tokens_growth_stops_at_the_window():
+    s = spec(capacity=4096)
+    # used 1096 >= 3 x 128: no growth left, so no reserve: 3000 + 200 - max(0, 100) - 656
+    got = swa_allocatable_tokens(
+        s,
+        SwaSizes(3000, 200),
+        n_active=3,
+        reserved_per_req=512,
+        need_single=100,
+        retracted_swa_required=656,
+    )
+    assert got == 2444
+    # used 96: growth 384 - 96 = 288 < R x 3 = 1536: 4000 + 200 - 288
+    got = swa_allocatable_tokens(s, SwaSizes(4000, 200), n_active=3, reserved_per_req=512)
+    assert got == 3912
+    # growth larger than the reserve: the reserve (R x n) is kept back
+    got = swa_allocatable_tokens(
+        spec(capacity=4096, window=4096), SwaSizes(4000, 0), n_active=3, reserved_per_req=512
+    )
+    assert got == 4000 - 1536
+
+
+# -- intake ------------------------------------------------------------------------
+
+
+def test_decode_node_refuses_a_swa_requirement_over_the_swa_pool():
+    # swa_required = 656 (above): > 640 refused, 656 fits (SGLang: swa_required > size_swa)
+    with pytest.raises(RequestTooLargeError, match="SWA") as err:
+        check_swa_fits(1000, spec(capacity=640), mode="decode", reserved=512)
+    assert err.value.status_code == 400
+    check_swa_fits(1000, spec(capacity=656), mode="decode", reserved=512)
+
+
+def test_normal_node_refuses_what_admission_never_could():
+    # chunking off: 1008 -> 880 + 128 + 16 = 1024 >= capacity 1024 (the gate is strict)
+    with pytest.raises(RequestTooLargeError):
+        check_swa_fits(1000, spec(capacity=1024), mode="normal")
+    check_swa_fits(1000, spec(capacity=1025), mode="normal")
+    # chunking on: the gate cuts a chunk to one page: 0 + 17 + 16 = 33
+    check_swa_fits(1000, spec(capacity=34), mode="normal", chunked_prefill_size=512)
+    with pytest.raises(RequestTooLargeError):
+        check_swa_fits(1000, spec(capacity=33), mode="normal", chunked_prefill_size=512)
+    check_swa_fits(10**6, None, mode="normal")  # not hybrid: nothing
+
+
+# -- what the scheduler reads from memsvc -----------------------------------------------
+
+
+def test_swa_numbers_from_memsvc():
+    class Sizes:
+        available, evictable, protected = 10, 0, 0
+
+    assert swa_sizes_of(Sizes()) is None  # no SWA numbers: not hybrid
+    Sizes.swa_available, Sizes.swa_evictable = 7, 3
+    assert swa_sizes_of(Sizes()) == SwaSizes(7, 3)
+
+    class Layout:
+        is_hybrid, sliding_window, swa_capacity_tokens, page_size = True, W, 640, PS
+        full_layer_ids = (0,)
+
+    assert swa_spec_of(Layout()) == spec(capacity=640)
+    Layout.full_layer_ids = ()
+    assert swa_spec_of(Layout()).all_swa
+    Layout.is_hybrid = False
+    assert swa_spec_of(Layout()) is None and swa_spec_of(None) is None
