@@ -1,5 +1,16 @@
 """The model's shape, read from a Hugging Face ``config.json`` (LlamaConfig field names).
 
+Three transformers architectures share this worker's math: Llama, and Mistral
+and Ministral, which are Llama plus a sliding window. Mistral windows every
+layer (``sliding_window``; null = none); Ministral reads a per-layer
+``layer_types`` list of ``sliding_attention`` / ``full_attention`` (default:
+every layer sliding when ``sliding_window`` is set), so it covers hybrid
+models. A sliding layer's query at position ``i`` sees keys ``j`` with
+``i - sliding_window < j <= i``, as transformers' mask does. Window settings
+an architecture would ignore (``sliding_window`` on Llama, ``layer_types`` on
+Mistral that disagree with its one window) and Qwen2's ``use_sliding_window``
+/ ``max_window_layers`` form are refused by name.
+
 Both layouts that transformers writes are read: 4.x's (``rope_theta`` and
 ``rope_scaling`` at the top level, ``torch_dtype``) and 5.x's (RoPE inside
 ``rope_parameters``, ``dtype``, ``head_dim`` always written). A
@@ -36,11 +47,26 @@ _REQUIRED_INTS = (
 _ROPE_KINDS = ("default", "linear", "llama3")
 # The checkpoint's own dtype (4.x ``torch_dtype``, 5.x ``dtype``).
 DTYPES = ("float32", "float16", "bfloat16")
-# The classes whose math is exactly this worker's: no other transformers class is
-# (Mistral adds a sliding window, Qwen2 q/k/v biases, Gemma a scaled embedding and
+# The classes whose math is exactly this worker's, with their model_type: no other
+# transformers class is (Qwen2 adds q/k/v biases, Gemma a scaled embedding and
 # GeGLU, ...), so checkpoints of those are refused even where the tensors would fit.
-ARCHITECTURES = ("LlamaForCausalLM",)
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",  # Llama + one sliding window on every layer
+    "MinistralForCausalLM": "ministral",  # Llama + a window on the layers layer_types says
+}
+ARCHITECTURES = tuple(MODEL_TYPES)
+_ARCHITECTURE_OF = {model_type: arch for arch, model_type in MODEL_TYPES.items()}
 _DEFAULT_ROPE_THETA = 10000.0
+# transformers' names for a layer's attention kind (config.layer_types); "attention"
+# is an older spelling transformers still reads as full attention.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+_LEGACY_LAYER_TYPES = {"attention": FULL_ATTENTION}
+# MistralConfig's and MinistralConfig's defaults for fields a config.json may omit.
+_MISTRAL_DEFAULT_WINDOW = 4096
+_MISTRAL_DEFAULT_MAX_POSITIONS = 4096 * 32
 
 
 @dataclass(frozen=True)
@@ -132,6 +158,13 @@ class ModelConfig:
     # ``dtype``): one of DTYPES, "float32" where the config says none. Informational:
     # the loader casts to the compute dtype it is asked for.
     dtype: str = "float32"
+    # One of ARCHITECTURES; what to_dict writes back.
+    architecture: str = "LlamaForCausalLM"
+    # W: a sliding layer's query at position i sees keys i - W < j <= i. None when no
+    # layer slides (then layer_types is ()).
+    sliding_window: int | None = None
+    # One of LAYER_TYPES per layer; () = every layer full attention (as PoolLayout).
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (*_REQUIRED_INTS, "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -160,12 +193,61 @@ class ModelConfig:
             raise CheckpointError(
                 f"config dtype {self.dtype!r} is not supported (only {', '.join(DTYPES)})"
             )
+        self._check_window()
         specials = [self.bos_token_id, self.pad_token_id, *self.eos_token_ids]
         for token_id in specials:
             if token_id is not None and not _in_vocab(token_id, self.vocab_size):
                 raise CheckpointError(
                     f"special token id {token_id!r} is outside the vocabulary ({self.vocab_size})"
                 )
+
+    def _check_window(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise CheckpointError(
+                f"architecture {self.architecture!r} is not supported (only {list(ARCHITECTURES)})"
+            )
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise CheckpointError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"num_hidden_layers {self.num_hidden_layers}"
+            )
+        unknown = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+        if unknown:
+            raise CheckpointError(
+                f"layer_types {unknown} are not supported (only {list(LAYER_TYPES)})"
+            )
+        window = self.sliding_window
+        if self.sliding_layer_ids:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise CheckpointError(
+                    f"sliding_window must be a positive int for sliding_attention layers, "
+                    f"got {window!r}"
+                )
+        elif window is not None or self.layer_types:
+            raise CheckpointError(
+                "sliding_window and layer_types are kept only for a model with a "
+                f"sliding_attention layer (got {window!r} and {list(self.layer_types)})"
+            )
+        if self.architecture == "LlamaForCausalLM" and self.sliding_layer_ids:
+            raise CheckpointError("LlamaForCausalLM has no sliding-window layers")
+        if self.architecture == "MistralForCausalLM" and 0 < len(self.sliding_layer_ids) < (
+            self.num_hidden_layers
+        ):
+            raise CheckpointError("MistralForCausalLM windows every layer or none")
+
+    # -- attention kinds -------------------------------------------------------
+
+    @property
+    def sliding_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers (empty when none slides)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == SLIDING_ATTENTION)
+
+    def layer_window(self, layer: int) -> int | None:
+        """``layer``'s window W, or None for a full-attention layer."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
     # -- derived sizes ---------------------------------------------------------
 
@@ -193,7 +275,7 @@ class ModelConfig:
         ``generation`` is the ``generation_config.json`` dict, if any: its
         ``eos_token_id`` adds stop ids, its ``bos_token_id`` fills a missing one.
         """
-        _reject_unsupported(data)
+        architecture = _reject_unsupported(data)
         missing = [name for name in _REQUIRED_INTS if name not in data]
         if missing:
             raise CheckpointError(f"config lacks {', '.join(missing)}")
@@ -209,6 +291,10 @@ class ModelConfig:
         kv_heads = data.get("num_key_value_heads")
         rope_theta, rope_scaling = _read_rope(data)
         bos_id, eos_ids = _read_special_ids(data, generation or {})
+        window, layer_types = _read_window(data, architecture)
+        default_positions = (
+            2048 if architecture == "LlamaForCausalLM" else _MISTRAL_DEFAULT_MAX_POSITIONS
+        )
         return cls(
             vocab_size=data["vocab_size"],
             hidden_size=data["hidden_size"],
@@ -219,13 +305,16 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=data.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=data.get("max_position_embeddings", 2048),
+            max_position_embeddings=data.get("max_position_embeddings", default_positions),
             tie_word_embeddings=data.get("tie_word_embeddings", False),
             bos_token_id=bos_id,
             eos_token_ids=eos_ids,
             pad_token_id=data.get("pad_token_id"),
             rope_scaling=rope_scaling,
             dtype=_read_dtype(data),
+            architecture=architecture,
+            sliding_window=window,
+            layer_types=layer_types,
         )
 
     @classmethod
@@ -257,9 +346,16 @@ class ModelConfig:
             if len(self.eos_token_ids) == 1
             else list(self.eos_token_ids)
         )
+        window: dict[str, Any] = {}
+        if self.architecture != "LlamaForCausalLM":
+            window["sliding_window"] = self.sliding_window
+        if self.architecture == "MinistralForCausalLM":
+            window["layer_types"] = list(self.layer_types) or [FULL_ATTENTION] * (
+                self.num_hidden_layers
+            )
         return {
-            "architectures": list(ARCHITECTURES),
-            "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": MODEL_TYPES[self.architecture],
             "torch_dtype": self.dtype,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -279,6 +375,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": eos,
             "pad_token_id": self.pad_token_id,
+            **window,
         }
 
 
@@ -303,8 +400,12 @@ def _in_vocab(token_id: object, vocab_size: object) -> bool:
     )
 
 
-def _reject_unsupported(data: dict[str, Any]) -> None:
-    """Settings that change the math: refuse them rather than compute something else."""
+def _reject_unsupported(data: dict[str, Any]) -> str:
+    """Settings that change the math: refuse them rather than compute something else.
+
+    Returns the architecture (one of ARCHITECTURES), from ``architectures`` and
+    ``model_type``, which must agree; Llama where the config names neither.
+    """
     architectures = data.get("architectures")
     if architectures is not None:
         if not isinstance(architectures, list) or not all(
@@ -318,9 +419,21 @@ def _reject_unsupported(data: dict[str, Any]) -> None:
             raise CheckpointError(
                 f"architectures {others!r} are not supported (only {list(ARCHITECTURES)})"
             )
-    model_type = data.get("model_type", "llama")
-    if model_type != "llama":
-        raise CheckpointError(f"model_type {model_type!r} is not supported (only 'llama')")
+    model_type = data.get("model_type")
+    if model_type is not None and model_type not in _ARCHITECTURE_OF:
+        raise CheckpointError(
+            f"model_type {model_type!r} is not supported (only {sorted(_ARCHITECTURE_OF)})"
+        )
+    named = set(architectures or ())
+    if model_type is not None:
+        named.add(_ARCHITECTURE_OF[model_type])
+    if len(named) > 1:
+        raise CheckpointError(
+            f"model_type {model_type!r} is not supported with architectures {architectures!r} "
+            "(each class has its own model_type: "
+            + ", ".join(f"{a} {MODEL_TYPES[a]!r}" for a in sorted(named))
+            + ")"
+        )
     quantization = data.get("quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
@@ -334,6 +447,71 @@ def _reject_unsupported(data: dict[str, Any]) -> None:
     for name in ("attention_bias", "mlp_bias"):
         if data.get(name):
             raise CheckpointError(f"{name}=true is not supported")
+    return next(iter(named), "LlamaForCausalLM")
+
+
+def _read_window(data: dict[str, Any], architecture: str) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` as ``architecture``'s transformers class reads them;
+    ``(None, ())`` when no layer slides. A window setting that class would ignore is refused."""
+    if data.get("use_sliding_window"):
+        # Qwen2's form (with max_window_layers). Without use_sliding_window those
+        # fields window nothing in Qwen2 either, so they are read as no window.
+        raise CheckpointError(
+            f"use_sliding_window (with max_window_layers {data.get('max_window_layers')!r}) is "
+            f"Qwen2's form and is not supported for {architecture}: set sliding_window, "
+            "and layer_types for MinistralForCausalLM"
+        )
+    layers = data["num_hidden_layers"]
+    raw_types = data.get("layer_types")
+    types: list[str] | None = None
+    if raw_types is not None:
+        if not isinstance(raw_types, list) or not all(isinstance(t, str) for t in raw_types):
+            raise CheckpointError(f"layer_types must be a list of names, got {raw_types!r}")
+        types = [_LEGACY_LAYER_TYPES.get(t, t) for t in raw_types]
+        unknown = sorted({t for t in types if t not in LAYER_TYPES})
+        if unknown:
+            raise CheckpointError(
+                f"layer_types {unknown} are not supported (only {list(LAYER_TYPES)})"
+            )
+        if len(types) != layers:
+            raise CheckpointError(
+                f"layer_types has {len(types)} entries for num_hidden_layers {layers}"
+            )
+    if architecture == "LlamaForCausalLM":
+        window = data.get("sliding_window")
+        if window is not None:
+            raise CheckpointError(
+                f"sliding_window {window!r} is not supported for LlamaForCausalLM "
+                "(transformers' Llama ignores it; a windowed model is MistralForCausalLM "
+                "or MinistralForCausalLM)"
+            )
+        if types and SLIDING_ATTENTION in types:
+            raise CheckpointError(
+                "layer_types with sliding_attention is not supported for LlamaForCausalLM "
+                "(transformers' Llama ignores it; a hybrid model is MinistralForCausalLM)"
+            )
+        return None, ()
+    window = data.get("sliding_window", _MISTRAL_DEFAULT_WINDOW)
+    if window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 1
+    ):
+        raise CheckpointError(f"sliding_window must be a positive int or null, got {window!r}")
+    if architecture == "MistralForCausalLM":
+        kind = FULL_ATTENTION if window is None else SLIDING_ATTENTION
+        if types is not None and set(types) != {kind}:
+            raise CheckpointError(
+                f"layer_types {raw_types!r} is not supported for MistralForCausalLM "
+                f"(transformers' Mistral ignores it and uses sliding_window {window!r} on "
+                "every layer; a hybrid model is MinistralForCausalLM)"
+            )
+        types = [kind] * layers
+    elif types is None:  # MinistralConfig's default
+        types = [FULL_ATTENTION if window is None else SLIDING_ATTENTION] * layers
+    elif window is None and SLIDING_ATTENTION in types:
+        raise CheckpointError("layer_types has sliding_attention layers but sliding_window is null")
+    if SLIDING_ATTENTION not in types:
+        return None, ()
+    return window, tuple(types)
 
 
 def _check_full_rotary(value: object, name: str) -> None:
