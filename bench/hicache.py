@@ -76,9 +76,15 @@ STACKS = ("hicache", "radix", "radix_ref")
 
 
 async def run_chat(
-    client: AsyncGenerateClient, chat: Chat, output_len: int, end_of_turn: list[int]
+    client: AsyncGenerateClient,
+    chat: Chat,
+    output_len: int,
+    end_of_turn: list[int],
+    opened: asyncio.Event | None = None,
 ) -> None:
-    """The chat's turns one after another; each reply joins the history, token for token."""
+    """The chat's turns one after another; each reply joins the history, token for token.
+    ``opened`` is set once the first turn's first token is out (its prompt is in the
+    prefix tree by then)."""
     sampling = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
     for index, user_ids in enumerate(chat.user_turns):
         prompt = chat.history + user_ids
@@ -88,6 +94,8 @@ async def run_chat(
         async for item in client.stream(prompt, rid=f"{chat.name}-t{index}", sampling=sampling):
             if isinstance(item, Chunk) and first is None and item.token_ids:
                 first = time.perf_counter()
+                if opened is not None:
+                    opened.set()
             elif isinstance(item, GenerateResult):
                 result = item
         end = time.perf_counter()
@@ -102,16 +110,39 @@ async def run_chat(
 async def serve_round(
     client: AsyncGenerateClient, chats: list[Chat], workload: Workload
 ) -> dict[str, Any]:
-    """Every chat of the round, ``in_flight`` at a time (a chat holds its slot to its end)."""
-    slots = asyncio.Semaphore(workload.spec.in_flight)
+    """Every chat of the round, ``in_flight`` at a time (a chat holds its slot to its end).
 
-    async def one(chat: Chat) -> None:
+    With a shared prefix, the first chat opens the round alone and the others start
+    once its first token is out, so they all hit the shared prefix it computed. Sent
+    together, the first turns would race the scheduler's batch forming (FCFS, no
+    in-batch prefix sharing, as SGLang's default policy): one prefill batch computes
+    the shared prefix once per request in it, and whether they arrive in one batch or
+    two is chance, which made the roomy cells' prefill differ between the stacks by up
+    to ``in_flight - 1`` shared prefixes a round.
+    """
+    slots = asyncio.Semaphore(workload.spec.in_flight)
+    opened = asyncio.Event()
+    if not workload.spec.system_len:
+        opened.set()
+
+    async def one(chat: Chat, leader: bool) -> None:
         async with slots:
-            await run_chat(client, chat, workload.spec.output_len, workload.end_of_turn)
+            if not leader:
+                await opened.wait()
+            try:
+                await run_chat(
+                    client,
+                    chat,
+                    workload.spec.output_len,
+                    workload.end_of_turn,
+                    opened if leader else None,
+                )
+            finally:
+                opened.set()
 
     before = (await client.info())["stats"]
     start = time.perf_counter()
-    await asyncio.gather(*(one(chat) for chat in chats))
+    await asyncio.gather(*(one(chat, i == 0) for i, chat in enumerate(chats)))
     wall_s = time.perf_counter() - start
     after = (await client.info())["stats"]
     ttft_p50_s = statistics.median(t.ttft_s for c in chats for t in c.turns)
