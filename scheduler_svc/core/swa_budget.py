@@ -103,6 +103,14 @@ def swa_sizes_of(sizes: object) -> SwaSizes | None:
     return SwaSizes(int(available), int(getattr(sizes, "swa_evictable", 0) or 0))
 
 
+def full_available_of(sizes: object) -> int:
+    """The full pool's free tokens in memsvc's ``PoolSizes``: ``full_available`` when the
+    reply has it (a hybrid pool, whose ``available`` may be ``min(full, swa)``), else
+    ``available``."""
+    full = getattr(sizes, "full_available", None)
+    return int(sizes.available if full is None else full)  # type: ignore[attr-defined]
+
+
 def swa_spec_of(layout: object, *, decode_radix_cache: bool = False) -> SwaSpec | None:
     """The :class:`SwaSpec` of memsvc's ``PoolLayout``, or None unless it is hybrid."""
     if layout is None or not getattr(layout, "is_hybrid", False):

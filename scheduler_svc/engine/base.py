@@ -22,6 +22,7 @@ from memsvc.client import AsyncMemClient
 from model_svc.client import AsyncModelClient
 from scheduler_svc.core import NewTokenRatioTracker, Req, ReqState, SchedulerConfig
 from scheduler_svc.core.retract_cost import RetractCostModel
+from scheduler_svc.core.swa_budget import SwaSizes, SwaSpec, swa_sizes_of, swa_spec_of
 from scheduler_svc.engine.stats import EngineStats
 
 Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
@@ -96,6 +97,24 @@ class EngineBase:
         self.waiting.append(req)
 
     # -- shared by the rounds --------------------------------------------------
+
+    @property
+    def swa(self) -> SwaSpec | None:
+        """The SWA pool of a hybrid (sliding-window) model, from memsvc's layout; None
+        when the pool is not hybrid (then every budget is the single pool's, as before)."""
+        spec = swa_spec_of(self.mem.layout)
+        if spec is not None and (getattr(self.mem, "hello_info", None) or {}).get(
+            "disable_radix_cache"
+        ):
+            spec = SwaSpec(spec.sliding_window, spec.capacity, spec.page_size, spec.all_swa, False)
+        return spec
+
+    def swa_budget_inputs(self, sizes: object) -> tuple[SwaSpec, SwaSizes] | None:
+        """The SWA pool's spec and its live sizes in ``sizes`` (a memsvc reply's), or None
+        unless both are there: a hybrid pool whose replies carry SWA numbers."""
+        spec = self.swa
+        swa_sizes = swa_sizes_of(sizes) if spec is not None else None
+        return None if swa_sizes is None else (spec, swa_sizes)  # type: ignore[return-value]
 
     @property
     def hierarchical(self) -> bool:

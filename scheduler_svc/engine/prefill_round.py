@@ -25,6 +25,7 @@ from memsvc.ops import AdmitMatch, AdmitResult, PoolSizes
 from memsvc.sessions import NotOwnerError
 from scheduler_svc.core import AddResult, PrefillAdder, Req
 from scheduler_svc.core.admission import floor_page
+from scheduler_svc.core.swa_budget import SwaPrefillGate, full_available_of
 from scheduler_svc.engine.base import EngineBase, output_logprob
 
 log = logging.getLogger("scheduler_svc")
@@ -96,14 +97,21 @@ class PrefillRound(EngineBase):
 
     def _new_adder(self, sizes: PoolSizes) -> tuple[PrefillAdder, int]:
         """The round's budget on ``sizes``, with the in-progress chunk (if any) added
-        first; returns it and the chunk's length."""
+        first; returns it and the chunk's length (0: the SWA budget parked it).
+
+        A hybrid pool adds the SWA gate on the SWA pool's sizes; the total and
+        current budgets are then the full pool's (SGLang 0.5.23's SWAPrefillBudget).
+        """
+        swa = self.swa_budget_inputs(sizes)
+        available = sizes.available if swa is None else full_available_of(sizes)
         adder = PrefillAdder(
             self.config,
-            max(sizes.available + sizes.evictable, 0),
+            max(available + sizes.evictable, 0),
             self.running,
             self.ratio.current,
             len(self.running),
             self.chunked,
+            swa=None if swa is None else SwaPrefillGate(*swa),
         )
         chunk_len = 0 if self.chunked is None else adder.add_chunked_req(self.chunked).extend_len
         return adder, chunk_len
@@ -245,9 +253,10 @@ class PrefillRound(EngineBase):
         the last one until the rest fits; the chunk, first, goes last and is
         tried again next round. An admission whose prefix load failed in
         memsvc (``cut``) is undone whatever the room (:meth:`_requeue_cut`).
-        Each undone admission is closed by the next call.
+        Each undone admission is closed by the next call. A chunk the SWA
+        budget parked (``chunk_len`` 0) stays the chunked request, unallocated.
         """
-        chunked = self.chunked
+        chunked = self.chunked if chunk_len > 0 else None
         started = list(started)
         free = list(rejected)
         while started or chunked is not None:
@@ -273,7 +282,7 @@ class PrefillRound(EngineBase):
                 self.cost.observe_readmit(len(req.origin_input_ids), req.prefix_len)
             self._mark_readmitted(req)
         if chunked is None:
-            return started
+            return started  # a parked chunk (if any) stays self.chunked
         chunked.continue_prefill(chunk_len)
         self.chunked = None  # until the adder says it is (still) chunked
         return [chunked, *started]
