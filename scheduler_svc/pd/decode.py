@@ -12,7 +12,9 @@ from memsvc.client import RetractTarget
 from memsvc.core.errors import MemsvcError, OutOfRowsError
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState, ceil_page
+from scheduler_svc.core.swa_budget import full_available_of
 from scheduler_svc.engine import Engine
+from scheduler_svc.pd.decode_swa import DecodeSwaBudget
 from scheduler_svc.pd.rooms import (
     TRANSFER_POLL_S,
     abort_locally,
@@ -33,6 +35,7 @@ class DecodeEngine(Engine):
         self.transfer: dict[int, Req] = {}
         self.retracted: deque[Req] = deque()
         self._rows: dict[str, int] = {}  # rows reserved for requests awaiting their KV
+        self.swa_budget = DecodeSwaBudget(self)  # a hybrid pool's SWA gates (pass otherwise)
         # Re-bootstrap rooms: never collide with the router's (< 2**62), nor (a random
         # start) with those a restarted predecessor left on the prefill node.
         self._next_room = (1 << 62) + (secrets.randbelow(1 << 40) << 16)
@@ -111,11 +114,18 @@ class DecodeEngine(Engine):
         return max(needs, default=freeable) - freeable
 
     def _allocatable(self, *, count_retracted: bool, need: int = 0) -> int:
-        """The budget from the sizes of memsvc's last reply (every op brings them)."""
+        """The budget from the sizes of memsvc's last reply (every op brings them).
+
+        A hybrid pool's full budget counts the full pool alone (SGLang's
+        ``full_available_size`` under SWA-tail prealloc); the SWA pool has its
+        own (:class:`~scheduler_svc.pd.decode_swa.DecodeSwaBudget`).
+        """
         sizes = self.mem.sizes
         reserve = self.config.num_reserved_decode_tokens
         n_active = len(self.running) + len(self.transfer)
-        allocatable = sizes.available + sizes.evictable - max(reserve * n_active, need)
+        hybrid = self.swa_budget.tail() is not None
+        available = full_available_of(sizes) if hybrid else sizes.available
+        allocatable = available + sizes.evictable - max(reserve * n_active, need)
         if count_retracted:
             allocatable -= sum(self._required(r) for r in self.retracted)
         return allocatable
@@ -143,6 +153,8 @@ class DecodeEngine(Engine):
             allocatable = self._allocatable(count_retracted=False)
             if self._required(req) > allocatable and not self._alone_fits(req, allocatable):
                 break  # head-of-line: FIFO
+            if not self.swa_budget.resume_fits(req):
+                break
             try:
                 row = await self.mem.alloc_row(req.rid)
             except OutOfRowsError:
@@ -178,6 +190,7 @@ class DecodeEngine(Engine):
         retractable = [r for r in self.running if r not in resumed]
         freeable = sum(map(self._held, retractable))
         need = self._single_need(retractable, [*self.transfer.values(), *resumed])
+        swa_gate = self.swa_budget.prealloc_gate(retractable)
         started = False
         while self.prealloc:
             if len(self.running) + len(self.transfer) >= self.config.max_running_requests:
@@ -186,6 +199,8 @@ class DecodeEngine(Engine):
             allocatable = self._allocatable(count_retracted=True, need=need)
             gate = max(self._required(req), self._final_len(req) - freeable)
             if gate > allocatable and not self._alone_fits(req, allocatable):
+                break
+            if swa_gate is not None and not swa_gate.fits(req):
                 break
             try:
                 row = await self.mem.alloc_row(req.rid)
@@ -201,6 +216,8 @@ class DecodeEngine(Engine):
             # It joins the held requests of _single_need: one more term in the maximum
             # (a need below 0 keeps back nothing beside R x n_active, as 0 does).
             need = max(need, self._final_len(req) - self._held(req) - freeable)
+            if swa_gate is not None:
+                swa_gate.take(req)
             self.stats.prealloc_reqs += 1
             self._event("prealloc", req)
             started = True
