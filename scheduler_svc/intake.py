@@ -5,8 +5,9 @@ prompt, a token id outside the vocabulary, a prompt of ``max_context_len``
 tokens or more, a prompt plus ``max_new_tokens`` past ``max_context_len``, a
 ``logprob_start_len`` past the prompt, logprobs on a PD node. Then the rules
 that keep a request from waiting forever (:func:`new_req`): an input that can
-never fit the pool is rejected with 400, and ``max_new_tokens`` is clamped so
-that one request alone always fits. :func:`fingerprint` tells a client's
+never fit the pool is rejected with 400 (for a hybrid model, either pool:
+:func:`~scheduler_svc.core.swa_budget.check_swa_fits`), and ``max_new_tokens``
+is clamped so that one request alone always fits. :func:`fingerprint` tells a client's
 re-submission of a live rid from another request under the same rid.
 """
 
@@ -17,7 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler_svc import protocol as p
-from scheduler_svc.core import Req, SamplingParams, check_fits, clamp_max_new_tokens
+from scheduler_svc.core import (
+    Req,
+    SamplingParams,
+    SchedulerConfig,
+    check_fits,
+    clamp_max_new_tokens,
+)
+from scheduler_svc.core.swa_budget import SwaSpec, check_swa_fits
 
 
 def refusal(
@@ -69,15 +77,27 @@ def new_req(
     page_size: int,
     mode: str,
     stop_decoder: Callable[[list[int]], str],
+    swa: SwaSpec | None = None,
+    config: SchedulerConfig | None = None,
 ) -> tuple[Req, bool]:
     """The request ``msg`` asks for, and whether it only scores its prompt.
 
     Raises :class:`~scheduler_svc.core.RequestTooLargeError` for an input that can
     never fit the pool; ``max_new_tokens`` is clamped so that it alone always fits
     (and to 1 on a prefill node). Scoring (``max_new_tokens`` 0 with prompt
-    logprobs) runs one token and returns none.
+    logprobs) runs one token and returns none. ``swa``: the SWA pool of a hybrid
+    model, whose requirement (under ``config``'s reserve and chunk size) the
+    request must fit too.
     """
     check_fits(len(input_ids), capacity, page_size)
+    if swa is not None:
+        check_swa_fits(
+            len(input_ids),
+            swa,
+            mode=mode,
+            reserved=config.num_reserved_decode_tokens if config else 0,
+            chunked_prefill_size=config.chunked_prefill_size if config else None,
+        )
     sampling = msg.sampling
     max_new = clamp_max_new_tokens(len(input_ids), sampling.max_new_tokens, capacity, page_size)
     if mode == "prefill":

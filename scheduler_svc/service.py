@@ -281,6 +281,8 @@ class SchedulerService:
             page_size=self.page_size,
             mode=self.mode,
             stop_decoder=self._stop_decoder,
+            swa=self.engine.swa,
+            config=self.engine.config,
         )
         if req.sampling_params.max_new_tokens == 0:  # nothing to generate: done at once
             return wire.pack(nothing_to_generate(req, msg.op_id))
