@@ -7,6 +7,7 @@ D32, D41-D43), written out beside each assertion. Pure core: no pool.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from scheduler_svc.core import AddDecision, AddResult, PrefillAdder, RequestTooLargeError
@@ -333,3 +334,53 @@ def test_swa_numbers_from_memsvc():
     assert swa_spec_of(Layout()).all_swa
     Layout.is_hybrid = False
     assert swa_spec_of(Layout()) is None and swa_spec_of(None) is None
+
+
+# -- the intake of the scheduler service ------------------------------------------------
+
+
+def generate(input_len: int, max_new: int = 16):
+    from scheduler_svc import protocol as p
+
+    return p.Generate(
+        op="generate",
+        op_id=1,
+        rid="r",
+        client="c",
+        input_ids=np.arange(1, input_len + 1, dtype=np.int64),
+        sampling={"max_new_tokens": max_new},
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "capacity", "refused"),
+    [
+        ("decode", 640, True),  # swa_required 656 > 640
+        ("decode", 656, False),
+        ("normal", 1024, True),  # 1024 >= 1024
+        ("normal", 1025, False),
+        ("prefill", 1024, True),  # a prefill node admits as a normal one does
+    ],
+)
+def test_intake_refuses_a_request_over_the_swa_pool_with_400(mode, capacity, refused):
+    from scheduler_svc.intake import new_req
+
+    def admit():
+        return new_req(
+            generate(1000),
+            list(range(1, 1001)),
+            capacity=100_000,
+            page_size=PS,
+            mode=mode,
+            stop_decoder=lambda ids: "",
+            swa=spec(capacity=capacity),
+            config=config(page_size=PS, num_reserved_decode_tokens=512),
+        )
+
+    if refused:
+        with pytest.raises(RequestTooLargeError, match="SWA") as err:
+            admit()
+        assert err.value.status_code == 400
+    else:
+        req, _ = admit()
+        assert req.sampling_params.max_new_tokens == (1 if mode == "prefill" else 16)
