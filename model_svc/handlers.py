@@ -24,7 +24,8 @@ import torch
 from memsvc import protocol as wire
 from memsvc.core.errors import MemsvcError
 from model_svc import protocol as p
-from model_svc.errors import InvalidBatchError, ModelSvcError
+from model_svc.config import ModelConfig
+from model_svc.errors import InvalidBatchError, ModelLayoutError, ModelSvcError
 from model_svc.model import ExtendItem, LlamaModel
 from model_svc.sampling import (
     GREEDY,
@@ -70,7 +71,14 @@ class ModelService:
     def _bind(self) -> None:
         old, self.pool = self.pool, self._attach_pool()
         views = self.pool.views
-        self.model.bind(views.kv_torch(), views.req_to_token_torch(), views.layout.page_size)
+        check_layer_types(self.model.config, views.layout)
+        self.model.bind(
+            views.kv_torch(),
+            views.req_to_token_torch(),
+            views.layout.page_size,
+            views.swa_kv_torch(),
+            views.full_to_swa_page_torch(),
+        )
         if old is not None and old.views is not views:
             old.views.close()  # the model holds no view of the old pool any more
         log.info("bound to memsvc pool epoch %s (%s)", self.pool.epoch, views.layout)
@@ -238,6 +246,23 @@ class ModelService:
 
 
 INPUT_LOGITS_BLOCK = 256  # prompt positions turned into logits at a time
+
+
+def check_layer_types(config: ModelConfig, layout: Any) -> None:
+    """A hybrid (two-pool) layout must window the model's layers, with its window.
+
+    A one-pool layout fits any model: its sliding layers are masked to their window
+    in the one pool."""
+    if not getattr(layout, "is_hybrid", False):
+        return
+    if tuple(layout.layer_types) != config.layer_types or layout.sliding_window != (
+        config.sliding_window
+    ):
+        raise ModelLayoutError(
+            f"the pool's layer_types {list(layout.layer_types)} and sliding_window "
+            f"{layout.sliding_window} are not the model's ({list(config.layer_types)}, "
+            f"{config.sliding_window})"
+        )
 
 
 def _input_logprobs(

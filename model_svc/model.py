@@ -13,6 +13,18 @@ A pass writes K/V only into the new tokens' slots and reads only the
 request's own slots (decode's padding is zeroed), so re-running the same
 batch writes the same bytes and returns the same logits. How the pool's K/V
 are moved and attended to is :mod:`model_svc.paged_attention`.
+
+Sliding-window layers (Mistral, Ministral: ``config.layer_types``) attend to
+the last ``sliding_window`` positions only. Their K/V live either in the one
+pool with every other layer's (the one-pool layout), or in a pool of their
+own (the two-pool layout of a hybrid memsvc pool): ``kv`` then holds only the
+full-attention layers, ``swa_kv`` the sliding ones, and an SWA layer finds
+position ``p`` of row ``r`` at::
+
+    full_slot = req_to_token[r, p]
+    swa_slot  = full_to_swa_page[full_slot // page_size] * page_size + full_slot % page_size
+
+reading only the positions in its window (the others may have no SWA page).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from torch import nn
 from model_svc.checkpoint import load_state_dict
 from model_svc.config import ModelConfig
 from model_svc.errors import InvalidBatchError, ModelLayoutError
-from model_svc.paged_attention import DecodeAttention, ExtendAttention, PoolRows
+from model_svc.paged_attention import DecodeAttention, ExtendAttention, LayerRoute, PoolRows
 from model_svc.rope import apply_rope, rope_inv_freq
 
 IntArray = Sequence[int] | np.ndarray | torch.Tensor
@@ -184,6 +196,19 @@ class _PoolViews:
     req_to_token: torch.Tensor  # [rows, max_context_len], int32
     page_size: int
     rows: PoolRows  # kv seen as token rows and head rows (model_svc.paged_attention)
+    # The two-pool layout only (else None): the sliding layers' pool [swa pages + 1,
+    # sliding layers, 2, page_size, kv_heads, dim] as rows, and the full page -> SWA
+    # page table [pages + 1] (0: no SWA page).
+    swa_kv: torch.Tensor | None = None
+    swa_rows: PoolRows | None = None
+    full_to_swa_page: torch.Tensor | None = None
+    # Each model layer's index in the buffer that holds it (two-pool layout), else its own.
+    layer_index: tuple[int, ...] = ()
+
+    @property
+    def window_rows(self) -> PoolRows:
+        """Where the sliding layers' K/V are."""
+        return self.rows if self.swa_rows is None else self.swa_rows
 
 
 class LlamaModel(nn.Module):
@@ -242,25 +267,79 @@ class LlamaModel(nn.Module):
 
     # -- the pool --------------------------------------------------------------
 
-    def bind(self, kv: torch.Tensor, req_to_token: torch.Tensor, page_size: int) -> None:
-        """Use these pool views (``ShmAttached.kv_torch()``, ``req_to_token_torch()``)."""
+    def bind(
+        self,
+        kv: torch.Tensor,
+        req_to_token: torch.Tensor,
+        page_size: int,
+        swa_kv: torch.Tensor | None = None,
+        full_to_swa_page: torch.Tensor | None = None,
+    ) -> None:
+        """Use these pool views (``ShmAttached.kv_torch()``, ``req_to_token_torch()``).
+
+        A model with sliding-window layers may also be given the two-pool layout's
+        ``swa_kv_torch()`` and ``full_to_swa_page_torch()``: ``kv`` then holds only
+        its full-attention layers (in order) and ``swa_kv`` its sliding ones.
+        """
         cfg = self.config
-        want = (cfg.num_hidden_layers, 2, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        if kv.dim() != 6 or tuple(kv.shape[1:]) != want:
-            raise ModelLayoutError(
-                f"KV pool shape {tuple(kv.shape)} does not fit the model: expected "
-                f"[pages + 1, layers {want[0]}, 2, page_size {want[2]}, kv heads {want[3]}, "
-                f"head dim {want[4]}]"
-            )
-        if kv.dtype != self.dtype:
-            raise ModelLayoutError(
-                f"KV pool dtype {kv.dtype} differs from the model's {self.dtype}"
-            )
+        num_layers = cfg.num_hidden_layers
+        sliding = cfg.sliding_layer_ids
+        two_pools = swa_kv is not None or full_to_swa_page is not None
+        if two_pools and (swa_kv is None or full_to_swa_page is None):
+            raise ModelLayoutError("the two-pool layout needs both swa_kv and full_to_swa_page")
+        if two_pools and not sliding:
+            raise ModelLayoutError("an SWA pool was given to a model without sliding layers")
+        full = [i for i in range(num_layers) if not (two_pools and i in sliding)]
+        self._check_buffer("KV pool", kv, len(full), page_size)
         if kv.device != self.device or req_to_token.device != self.device:
             raise ModelLayoutError(f"pool views are not on the model's device {self.device}")
         if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
             raise ModelLayoutError("req_to_token must be a 2-D int32 table")
-        self._pool = _PoolViews(kv, req_to_token, page_size, PoolRows.of(kv, page_size))
+        if not two_pools:
+            self._pool = _PoolViews(
+                kv,
+                req_to_token,
+                page_size,
+                PoolRows.of(kv, page_size),
+                layer_index=tuple(range(num_layers)),
+            )
+            return
+        assert swa_kv is not None and full_to_swa_page is not None
+        self._check_buffer("SWA pool", swa_kv, len(sliding), page_size)
+        if (
+            full_to_swa_page.shape != (kv.shape[0],)
+            or full_to_swa_page.dtype not in (torch.int32, torch.int64)
+            or full_to_swa_page.device != self.device
+        ):
+            raise ModelLayoutError(
+                f"full_to_swa_page must be an int32 table of {kv.shape[0]} pages on "
+                f"{self.device}, got {full_to_swa_page.dtype}{tuple(full_to_swa_page.shape)}"
+            )
+        index = tuple(full.index(i) if i in full else sliding.index(i) for i in range(num_layers))
+        self._pool = _PoolViews(
+            kv,
+            req_to_token,
+            page_size,
+            PoolRows.of(kv, page_size),
+            swa_kv,
+            PoolRows.of(swa_kv, page_size),
+            full_to_swa_page,
+            index,
+        )
+
+    def _check_buffer(self, what: str, kv: torch.Tensor, num_layers: int, page_size: int) -> None:
+        cfg = self.config
+        want = (num_layers, 2, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != want:
+            raise ModelLayoutError(
+                f"{what} shape {tuple(kv.shape)} does not fit the model: expected "
+                f"[pages + 1, layers {want[0]}, 2, page_size {want[2]}, kv heads {want[3]}, "
+                f"head dim {want[4]}]"
+            )
+        if kv.dtype != self.dtype:
+            raise ModelLayoutError(f"{what} dtype {kv.dtype} differs from the model's {self.dtype}")
+        if kv.device != self.device:
+            raise ModelLayoutError(f"{what} is not on the model's device {self.device}")
 
     def unbind(self) -> None:
         """Drop the pool views (so the pool's mappings can be closed)."""
@@ -285,7 +364,8 @@ class LlamaModel(nn.Module):
         if not items:
             raise InvalidBatchError("an extend batch needs at least one request")
         self._check_rows([item.row for item in items])
-        ids, positions, seqs = [], [], []
+        window = self.config.sliding_window
+        ids, positions, seqs, window_seqs = [], [], [], []
         for item in items:
             tokens = self._token_tensor(item.token_ids)
             end = item.prefix_len + tokens.numel()
@@ -293,10 +373,20 @@ class LlamaModel(nn.Module):
                 raise InvalidBatchError(f"row {item.row}: needs prefix_len >= 0 and new tokens")
             self._check_len(end)
             context = self._checked_slots(pool.req_to_token[item.row, :end], item.row)
-            seqs.append(ExtendAttention.seq(pool.rows, context, item.prefix_len))
+            if self._has_full_layers():
+                seqs.append(ExtendAttention.seq(pool.rows, context, item.prefix_len))
+            if window is not None:  # what the first new token's window reaches, on
+                start = max(0, item.prefix_len - window + 1)
+                slots = self._window_slots(context[start:], item.row)
+                window_seqs.append(
+                    ExtendAttention.seq(pool.window_rows, slots, item.prefix_len, window, start)
+                )
             ids.append(tokens)
             positions.append(torch.arange(item.prefix_len, end, device=self.device))
-        attend = ExtendAttention(pool.rows, seqs)
+        attend = self._route(
+            ExtendAttention(pool.rows, seqs) if seqs else None,
+            ExtendAttention(pool.window_rows, window_seqs) if window_seqs else None,
+        )
         hidden = self.run_layers(torch.cat(ids), torch.cat(positions), attend)
         lengths = [t.numel() for t in ids]
         last = torch.cumsum(torch.tensor(lengths, device=self.device), 0) - 1
@@ -331,13 +421,63 @@ class LlamaModel(nn.Module):
             raise InvalidBatchError("every seq_len must be >= 1")
         max_len = int(lens.max())
         self._check_len(max_len)
-        valid = torch.arange(max_len, device=self.device) < lens[:, None]  # [B, L]
-        slots = pool.req_to_token[rows_t, :max_len].long().masked_fill(~valid, 0)
-        self._checked_slots(slots[valid], None)
         batch = torch.arange(rows_t.numel(), device=self.device)
-        attend = DecodeAttention(pool.rows, slots, valid, slots[batch, lens - 1])
-        hidden = self.run_layers(tokens, lens - 1, attend)
+        attend = None
+        if self._has_full_layers():
+            valid = torch.arange(max_len, device=self.device) < lens[:, None]  # [B, L]
+            slots = pool.req_to_token[rows_t, :max_len].long().masked_fill(~valid, 0)
+            self._checked_slots(slots[valid], None)
+            attend = DecodeAttention(pool.rows, slots, valid, slots[batch, lens - 1])
+        window = self.config.sliding_window
+        window_attend = None
+        if window is not None:
+            # Positions first..seq_len - 1 of each request, padded to the widest.
+            first = (lens - window).clamp(min=0)
+            positions = first[:, None] + torch.arange(min(window, max_len), device=self.device)
+            valid = positions < lens[:, None]
+            slots = pool.req_to_token[rows_t[:, None], positions.masked_fill(~valid, 0)]
+            slots = slots.long().masked_fill(~valid, 0)
+            if attend is None:  # not checked with the whole context
+                self._checked_slots(slots[valid], None)
+            slots[valid] = self._window_slots(slots[valid], None)
+            new_slots = slots[batch, lens - first - 1]
+            window_attend = DecodeAttention(pool.window_rows, slots, valid, new_slots)
+        hidden = self.run_layers(tokens, lens - 1, self._route(attend, window_attend))
         return self.logits(hidden)
+
+    def _has_full_layers(self) -> bool:
+        return len(self.config.sliding_layer_ids) < self.config.num_hidden_layers
+
+    def _route(self, full: AttendFn | None, window: AttendFn | None) -> AttendFn:
+        """One attention for the layer stack: ``full``'s for full-attention layers,
+        ``window``'s for sliding ones, each on the layer's index in its pool."""
+        if window is None:
+            assert full is not None
+            return full  # no sliding layer: today's path, as it was
+        pool = self._bound()
+        route = [
+            (int(self.config.layer_window(i) is not None), pool.layer_index[i])
+            for i in range(self.config.num_hidden_layers)
+        ]
+        return LayerRoute([window if full is None else full, window], route)
+
+    def _window_slots(self, slots: torch.Tensor, row: int | None) -> torch.Tensor:
+        """The slots of ``slots`` (full-pool slots of positions in a sliding window) where the
+        sliding layers keep them: the same ones in the one-pool layout, else their SWA
+        slots, each of which must be on an SWA page."""
+        pool = self._bound()
+        if pool.full_to_swa_page is None or not slots.numel():
+            return slots
+        page_size = pool.page_size
+        pages = pool.full_to_swa_page[slots // page_size].long()
+        assert pool.swa_kv is not None
+        if int(pages.min()) < 1 or int(pages.max()) >= pool.swa_kv.shape[0]:
+            where = "a request" if row is None else f"row {row}"
+            raise InvalidBatchError(
+                f"{where} has positions in its sliding window without an SWA page "
+                "(full_to_swa_page)"
+            )
+        return pages * page_size + slots % page_size
 
     # -- the layer stack, shared with the dense reference ----------------------
 

@@ -24,7 +24,7 @@ head at a time (twice as slow, for SmolLM2 at 64 requests x 272 tokens here).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -149,14 +149,40 @@ class DecodeAttention:
         return out.reshape(self.batch_size, -1)
 
 
+def attention_mask(
+    query_start: int,
+    num_queries: int,
+    key_start: int,
+    num_keys: int,
+    window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """``[num_queries, num_keys]`` True = attend, for queries at positions ``query_start + i``
+    over keys at ``key_start + c``: causal, and within ``window`` (keys ``j > i - window``)
+    unless it is None. None where that is the plain causal mask (no offset, no key out of
+    any query's window), which ``scaled_dot_product_attention`` applies itself."""
+    last_query = query_start + num_queries - 1
+    windowed = window is not None and key_start <= last_query - window
+    if query_start == key_start and not windowed:
+        return None
+    if not windowed:
+        mask = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+        return mask.tril(diagonal=query_start - key_start)
+    queries = torch.arange(query_start, last_query + 1, device=device)[:, None]
+    keys = torch.arange(key_start, key_start + num_keys, device=device)[None, :]
+    return (keys <= queries) & (keys > queries - window)
+
+
 @dataclass(frozen=True, slots=True)
 class ExtendSeq:
     """One request of an extend pass: ``num_new`` tokens after ``prefix_len`` cached ones."""
 
     prefix_len: int
     num_new: int
-    context_rows: torch.Tensor  # slot rows of positions 0..prefix_len + num_new - 1
+    # slot rows of positions context_start..prefix_len + num_new - 1
+    context_rows: torch.Tensor
     mask: torch.Tensor | None  # [num_new, context] True = attend; None = plain causal
+    context_start: int = 0  # > 0 for a sliding window: the first position any query sees
 
 
 class ExtendAttention:
@@ -176,19 +202,38 @@ class ExtendAttention:
     def __init__(self, pool: PoolRows, seqs: Sequence[ExtendSeq]) -> None:
         self.pool = pool
         self.seqs = seqs
-        self.new_slot_rows = torch.cat([seq.context_rows[seq.prefix_len :] for seq in seqs])
+        self.new_slot_rows = torch.cat(
+            [seq.context_rows[seq.prefix_len - seq.context_start :] for seq in seqs]
+        )
 
     @staticmethod
-    def seq(pool: PoolRows, context_slots: torch.Tensor, prefix_len: int) -> ExtendSeq:
-        """A request whose positions ``0..len(context_slots) - 1`` sit at ``context_slots``."""
-        num_new = context_slots.numel() - prefix_len
-        mask = None
-        if prefix_len:
-            # Query i (position prefix_len + i) sees keys 0..prefix_len + i.
-            mask = torch.ones(
-                num_new, context_slots.numel(), dtype=torch.bool, device=context_slots.device
-            ).tril(diagonal=prefix_len)
-        return ExtendSeq(prefix_len, num_new, pool.slot_rows(context_slots), mask)
+    def seq(
+        pool: PoolRows,
+        context_slots: torch.Tensor,
+        prefix_len: int,
+        window: int | None = None,
+        context_start: int = 0,
+    ) -> ExtendSeq:
+        """A request whose positions ``context_start..context_start + len(context_slots) - 1``
+        sit at ``context_slots``; its new tokens start at ``prefix_len``. ``window``: W of a
+        sliding layer (then ``context_start`` may skip what no query's window reaches)."""
+        end = context_start + context_slots.numel()
+        if not 0 <= context_start <= prefix_len < end:
+            raise ModelLayoutError("an extend context must hold every new token")
+        if window is not None and context_start > max(0, prefix_len - window + 1):
+            raise ModelLayoutError("an extend context misses keys in its first query's window")
+        # Query i (position prefix_len + i) sees keys max(0, prefix_len + i - W + 1)..prefix_len + i
+        mask = attention_mask(
+            prefix_len,
+            end - prefix_len,
+            context_start,
+            end - context_start,
+            window,
+            context_slots.device,
+        )
+        return ExtendSeq(
+            prefix_len, end - prefix_len, pool.slot_rows(context_slots), mask, context_start
+        )
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -198,7 +243,7 @@ class ExtendAttention:
         outs, start = [], 0
         for seq in self.seqs:
             end = start + seq.num_new
-            if seq.prefix_len:
+            if seq.prefix_len:  # the whole context, from the pool
                 keys, values = self.pool.gather(
                     layer, seq.context_rows, self.pool.empty_rows(seq.context_rows.numel())
                 )
@@ -217,3 +262,21 @@ class ExtendAttention:
             outs.append(out[0].transpose(0, 1).flatten(1))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class LayerRoute:
+    """Attention of a model whose layers' K/V sit in several pools, or are attended in several
+    ways (full context, sliding window): model layer ``i`` is ``attends[route[i][0]]`` on that
+    one's layer ``route[i][1]``."""
+
+    def __init__(self, attends: Sequence[AttendFn], route: Sequence[tuple[int, int]]) -> None:
+        self.route = [(attends[which], index) for which, index in route]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        attend, index = self.route[layer]
+        return attend(index, q, k, v)

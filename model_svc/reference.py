@@ -3,7 +3,8 @@
 It shares :meth:`LlamaModel.run_layers` (embedding, norms, RoPE, MLP) with
 the paged model and replaces only the part under test: where K/V live and
 how attention reads them. Attention here is written out (scores, causal
-mask, softmax) rather than going through ``scaled_dot_product_attention``.
+mask, softmax) rather than going through ``scaled_dot_product_attention``;
+a sliding-window layer's mask also hides keys ``j <= i - W`` from query ``i``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class DenseKV:
         empty = torch.empty(0, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
         self.keys = [empty.to(model.device)] * cfg.num_hidden_layers
         self.values = [empty.to(model.device)] * cfg.num_hidden_layers
+        self.windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
 
     @property
     def seq_len(self) -> int:
@@ -43,7 +45,10 @@ class DenseKV:
         scores = torch.einsum("nkgd,lkd->kgnl", q, keys) / math.sqrt(dim)
         query_pos = torch.arange(total - num_new, total, device=q.device)[:, None]
         key_pos = torch.arange(total, device=q.device)[None, :]
-        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        hidden = key_pos > query_pos
+        if self.windows[layer] is not None:
+            hidden = hidden | (key_pos <= query_pos - self.windows[layer])
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), -1).to(
             q.dtype
         )

@@ -12,6 +12,7 @@ from memsvc.core import KVPool
 from model_svc.model import LlamaModel
 from model_svc.tiny import write_tiny_checkpoint
 from tests.model.driver import BoundPool, model_layout
+from tests.model.swa_oracle import KINDS, EmulatedTwoPools, load_hf, write_swa_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,6 +50,49 @@ def bound_pool(
         layout = model_layout(tiny_model.config, page_size, **layout_overrides)
         pool = make_pool(layout, host_store_bytes=host_store_bytes)
         bound.append(BoundPool.attach(pool, tiny_model))
+        return bound[-1]
+
+    yield factory
+    for item in bound:
+        item.close()
+
+
+# -- sliding-window models (issue 29): transformers' own, random weights -----------
+
+
+@pytest.fixture(scope="session")
+def swa_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``{"pure": Mistral folder, "hybrid": Ministral folder}`` (tests/model/swa_oracle.py)."""
+    return {
+        kind: write_swa_checkpoint(tmp_path_factory.mktemp(f"swa-{kind}"), kind) for kind in KINDS
+    }
+
+
+@pytest.fixture(scope="session")
+def swa_models(swa_checkpoints: dict[str, Path]) -> dict[str, LlamaModel]:
+    """Our worker's model of each folder."""
+    return {kind: LlamaModel.from_checkpoint(path) for kind, path in swa_checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def hf_swa_models(swa_checkpoints: dict[str, Path]) -> dict:
+    """transformers' model of each folder: the oracle."""
+    return {kind: load_hf(path) for kind, path in swa_checkpoints.items()}
+
+
+@pytest.fixture
+def swa_bound_pool(
+    make_pool: Callable[..., KVPool], swa_models: dict[str, LlamaModel]
+) -> Iterator[Callable[..., BoundPool]]:
+    """Factory ``(kind, page_size, two_pools=False)``: a float32 pool bound to that model;
+    with ``two_pools``, the worker reads the two-pool layout (:class:`EmulatedTwoPools`)."""
+    bound: list[BoundPool] = []
+
+    def factory(kind: str, page_size: int, *, two_pools: bool = False, **overrides) -> BoundPool:
+        model = swa_models[kind]
+        layout = model_layout(model.config, page_size, **overrides)
+        pool = make_pool(layout)
+        bound.append((EmulatedTwoPools if two_pools else BoundPool).attach(pool, model))
         return bound[-1]
 
     yield factory
