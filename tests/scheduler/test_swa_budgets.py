@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc.core import AddDecision, AddResult, PrefillAdder, RequestTooLargeError
 from scheduler_svc.core.swa_budget import (
@@ -384,3 +386,52 @@ def test_intake_refuses_a_request_over_the_swa_pool_with_400(mode, capacity, ref
     else:
         req, _ = admit()
         assert req.sampling_params.max_new_tokens == (1 if mode == "prefill" else 16)
+
+
+# -- properties of the gate ---------------------------------------------------------------
+
+requests = st.lists(
+    st.tuples(st.integers(1, 600), st.integers(0, 599), st.integers(1, 300)), min_size=1, max_size=8
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reqs=requests,
+    available=st.integers(0, 2000),
+    evictable=st.integers(0, 200),
+    capacity=st.integers(64, 2048),
+    chunk=st.sampled_from([None, 64, 256]),
+)
+def test_swa_gate_never_overdraws_and_a_refusal_changes_nothing(
+    reqs, available, evictable, capacity, chunk
+):
+    gate = SwaPrefillGate(spec(capacity), SwaSizes(available, evictable))
+    a = PrefillAdder(config(page_size=PS, chunked_prefill_size=chunk), 100_000, swa=gate)
+    for i, (input_len, prefix, max_new) in enumerate(reqs):
+        prefix = min(prefix, input_len - 1) // PS * PS
+        before = (a.swa.remaining_swa, a.remaining_total_tokens, len(a.admitted))
+        d = a.add_one_req(make_req(f"r{i}", input_len, max_new_tokens=max_new), prefix)
+        if d.admitted:
+            assert a.swa.remaining_swa >= 0
+        else:
+            assert (a.swa.remaining_swa, a.remaining_total_tokens, len(a.admitted)) == before
+        if d.result is not CONTINUE:
+            break
+
+
+@settings(max_examples=200, deadline=None)
+@given(reqs=requests, available=st.integers(0, 5000), chunk=st.sampled_from([None, 64, 256]))
+def test_a_swa_pool_that_never_binds_changes_no_decision(reqs, available, chunk):
+    # every reservation here is below 600 + 300 + 16 < 10**6: the gate never refuses
+    gate = SwaPrefillGate(spec(10**6), SwaSizes(10**6, 0))
+    with_gate = PrefillAdder(config(page_size=PS, chunked_prefill_size=chunk), available, swa=gate)
+    without = PrefillAdder(config(page_size=PS, chunked_prefill_size=chunk), available)
+    for i, (input_len, prefix, max_new) in enumerate(reqs):
+        prefix = min(prefix, input_len - 1) // PS * PS
+        req = make_req(f"r{i}", input_len, max_new_tokens=max_new)
+        d = with_gate.add_one_req(req, prefix)
+        assert d == without.add_one_req(req, prefix)
+        if d.result is not CONTINUE:
+            break
+    assert with_gate.remaining_total_tokens == without.remaining_total_tokens
