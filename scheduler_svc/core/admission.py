@@ -142,6 +142,7 @@ class PrefillAdder:
         self.admitted: list[Admission] = []
         self.new_chunked_req: Req | None = None
         self._chunked_added = False
+        self._chunk_parked = False  # the SWA budget parked the in-progress chunk this round
         # For logs/metrics: prefix hits and computed tokens, first attempts vs re-prefills.
         self.num_hit_tokens = self.num_input_tokens = 0
         self.num_reprocessed_hit_tokens = self.num_reprocessed_input_tokens = 0
@@ -304,6 +305,7 @@ class PrefillAdder:
                 self.rem_chunk_tokens, self.remaining_total_tokens
             )
             if swa_limit is None:  # parked: not admitted this round, nothing charged
+                self._chunk_parked = True
                 return AddDecision(self.budget_state(), 0)
             limit = swa_limit
         else:
@@ -354,6 +356,8 @@ class PrefillAdder:
             if self.admitted and input_tokens >= self.rem_input_tokens:
                 return AddDecision(AddResult.OTHER, 0)
         elif input_tokens > chunk_limit:
+            if self._chunk_parked:  # one chunked request at a time: the parked one stays it
+                return AddDecision(AddResult.OTHER, 0)
             chunk_len = self._chunk_len(prefix_len, chunk_limit)
             if chunk_len <= 0:
                 return AddDecision(AddResult.OTHER, 0)

@@ -219,6 +219,10 @@ def test_in_progress_chunk_is_parked_by_the_swa_budget():
     assert a.remaining_total_tokens == 100_000
     # the round may go on with the waiting requests
     assert a.add_one_req(make_req("w", 4, max_new_tokens=1), 0) == AddDecision(NO_TOKEN, 0)
+    # and never makes a second chunked request while one is parked (were there room)
+    a.swa.sizes = SwaSizes(10_000, 0)
+    assert a.add_one_req(make_req("w2", 1000, max_new_tokens=1), 0) == AddDecision(OTHER, 0)
+    assert a.add_one_req(make_req("w3", 40, max_new_tokens=1), 0) == AddDecision(CONTINUE, 40)
 
 
 def test_pure_swa_model_bases_the_total_budget_on_the_swa_pool():
