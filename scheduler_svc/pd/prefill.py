@@ -16,6 +16,7 @@ from typing import Any
 from memsvc.core.errors import InvalidArgumentError, MemsvcError
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState
+from scheduler_svc.core.swa_budget import full_available_of
 from scheduler_svc.engine import Engine
 from scheduler_svc.pd.rooms import (
     TRANSFER_POLL_S,
@@ -59,8 +60,11 @@ class PrefillEngine(Engine):
         if not (self.waiting and self.capacity) or self.running or self.chunked or self.inflight:
             return False
         sizes = self.mem.sizes  # fresh: the prefill round asked, with nothing running
-        if sizes.available + sizes.evictable < self.capacity:
+        if full_available_of(sizes) + sizes.evictable < self.capacity:
             return False  # pages held elsewhere (a session ending) may come back
+        swa = self.swa_budget_inputs(sizes)  # a hybrid pool: its SWA pool all free too
+        if swa is not None and swa[1].available + swa[1].evictable < swa[0].capacity:
+            return False
         head = self.waiting[0]
         message = (
             "Request prompt exceeds the KV memory budget of the prefill node: "
