@@ -177,18 +177,22 @@ class PrefillAdder:
             return AddResult.OTHER
         return AddResult.CONTINUE
 
-    def lock_prefix(self, num_pinned_tokens: int) -> None:
+    def lock_prefix(self, num_pinned_tokens: int, swa_pinned_tokens: int = 0) -> None:
         """A candidate's prefix match locked its prefix: what was evictable of it leaves A.
 
         ``num_pinned_tokens`` is how much memsvc's evictable size fell with
-        the lock (0 when the prefix was already locked by running requests).
-        SGLang reads available + evictable live, after that lock.
+        the lock (0 when the prefix was already locked by running requests);
+        ``swa_pinned_tokens`` the same for the SWA pool's evictable size (a
+        hybrid pool: the locked prefix's SWA tail). SGLang reads available +
+        evictable live, after that lock.
         """
         if not 0 <= num_pinned_tokens <= self.available_tokens:
             raise ValueError(
                 f"cannot pin {num_pinned_tokens} of {self.available_tokens} available tokens"
             )
         self.available_tokens -= num_pinned_tokens
+        if self.swa is not None and swa_pinned_tokens:
+            self.swa.pin(swa_pinned_tokens)
 
     def charge(self, extend_len: int, max_new_tokens: int) -> int:
         """What admitting ``extend_len`` tokens reserving ``max_new_tokens`` adds to the total."""

@@ -246,6 +246,13 @@ class SwaPrefillGate:
     def has_capacity(self) -> bool:
         return self.remaining_swa > 0
 
+    def pin(self, num_tokens: int) -> None:
+        """A prefix lock took ``num_tokens`` of the SWA pool's evictable tokens."""
+        sizes = self.sizes
+        self.sizes = SwaSizes(
+            sizes.available, sizes.evictable - min(max(num_tokens, 0), sizes.evictable)
+        )
+
     def tokens(self, extend_len: int, max_new_tokens: int, chunk_limit: int | None = None) -> int:
         spec = self.spec
         return estimate_swa_kv_tokens(

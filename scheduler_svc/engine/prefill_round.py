@@ -209,7 +209,10 @@ class PrefillRound(EngineBase):
             if not adder.could_admit(req):
                 rejected.extend(opened[i:])
                 return False
-            adder.lock_prefix(min(max(match.pinned, 0), match.prefix_len, adder.available_tokens))
+            adder.lock_prefix(
+                min(max(match.pinned, 0), match.prefix_len, adder.available_tokens),
+                getattr(match, "swa_pinned", 0),  # a hybrid pool's SWA tail, if reported
+            )
             decision = adder.add_one_req(req, match.prefix_len)
             if not decision.admitted:
                 rejected.extend(opened[i:])

@@ -439,3 +439,14 @@ def test_a_swa_pool_that_never_binds_changes_no_decision(reqs, available, chunk)
         if d.result is not CONTINUE:
             break
     assert with_gate.remaining_total_tokens == without.remaining_total_tokens
+
+
+def test_a_prefix_lock_pins_swa_evictable_tokens():
+    # SGLang reads swa_available + swa_evictable live, after the candidate's lock
+    a = adder(50, 40)  # remaining_swa 90
+    a.lock_prefix(0, swa_pinned_tokens=30)
+    assert a.swa.remaining_swa == 60
+    a.lock_prefix(0, swa_pinned_tokens=30)  # at most what is evictable
+    assert a.swa.remaining_swa == 50
+    # 48 -> 0 + 58 + 16 = 74 >= 50 now: refused, though 74 < 90 before the locks
+    assert a.add_one_req(make_req("c", 40, max_new_tokens=10), 0) == AddDecision(NO_TOKEN, 0)
