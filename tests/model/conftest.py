@@ -12,7 +12,14 @@ from memsvc.core import KVPool
 from model_svc.model import LlamaModel
 from model_svc.tiny import write_tiny_checkpoint
 from tests.model.driver import BoundPool, model_layout
-from tests.model.swa_oracle import KINDS, EmulatedTwoPools, load_hf, write_swa_checkpoint
+from tests.model.swa_oracle import (
+    KINDS,
+    EmulatedTwoPools,
+    HybridBound,
+    hybrid_layout_fields,
+    load_hf,
+    write_swa_checkpoint,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -84,15 +91,23 @@ def hf_swa_models(swa_checkpoints: dict[str, Path]) -> dict:
 def swa_bound_pool(
     make_pool: Callable[..., KVPool], swa_models: dict[str, LlamaModel]
 ) -> Iterator[Callable[..., BoundPool]]:
-    """Factory ``(kind, page_size, two_pools=False)``: a float32 pool bound to that model;
-    with ``two_pools``, the worker reads the two-pool layout (:class:`EmulatedTwoPools`)."""
+    """Factory ``(kind, page_size, layout="one_pool")``: a float32 pool bound to that model.
+
+    ``layout``: "one_pool" (every layer in one pool, today's layout), "emulated" (the
+    worker reads the two-pool layout from buffers the test keeps, :class:`EmulatedTwoPools`)
+    or "memsvc" (a hybrid KVPool: memsvc's own two pools, :class:`HybridBound`)."""
     bound: list[BoundPool] = []
 
-    def factory(kind: str, page_size: int, *, two_pools: bool = False, **overrides) -> BoundPool:
+    def factory(kind: str, page_size: int, layout: str = "one_pool", **overrides) -> BoundPool:
         model = swa_models[kind]
-        layout = model_layout(model.config, page_size, **overrides)
-        pool = make_pool(layout)
-        bound.append((EmulatedTwoPools if two_pools else BoundPool).attach(pool, model))
+        if layout == "memsvc":
+            overrides = hybrid_layout_fields(model.config) | {
+                "swa_num_pages": 1024 // page_size,
+                **overrides,
+            }
+        pool = make_pool(model_layout(model.config, page_size, **overrides))
+        driver = {"one_pool": BoundPool, "emulated": EmulatedTwoPools, "memsvc": HybridBound}
+        bound.append(driver[layout].attach(pool, model))
         return bound[-1]
 
     yield factory

@@ -107,7 +107,27 @@ def prompt(length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, VOCAB, length).tolist()
 
 
-# -- the two-pool layout, emulated around a one-pool KVPool -----------------------
+# -- the two-pool layout ---------------------------------------------------------------
+
+
+class HybridBound(BoundPool):
+    """A hybrid memsvc pool (two pools: ``swa_kv`` and ``full_to_swa_page`` kept by memsvc),
+    bound as the model service binds it."""
+
+    def bind(self) -> None:
+        attached = self.attached
+        self.model.bind(
+            attached.kv_torch(),
+            attached.req_to_token_torch(),
+            self.pool.page_size,
+            attached.swa_kv_torch(),
+            attached.full_to_swa_page_torch(),
+        )
+
+
+def hybrid_layout_fields(config) -> dict:
+    """PoolLayout's hybrid fields for ``config`` (an SWA pool as large as the full one)."""
+    return dict(layer_types=config.layer_types, sliding_window=config.sliding_window)
 
 
 class EmulatedTwoPools(BoundPool):

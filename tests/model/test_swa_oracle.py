@@ -27,13 +27,22 @@ from model_svc.errors import InvalidBatchError, ModelLayoutError
 from model_svc.handlers import check_layer_types
 from model_svc.model import ExtendItem, LlamaModel
 from model_svc.reference import generate_dense
-from tests.model.swa_oracle import KINDS, WINDOW, hf_greedy, hf_logits, prompt
+from tests.model.swa_oracle import (
+    KINDS,
+    WINDOW,
+    EmulatedTwoPools,
+    HybridBound,
+    hf_greedy,
+    hf_logits,
+    prompt,
+)
 
 NUM_NEW = 40
 # 100 + 40 = 140 > 4 W; 70 and 33 cross the window in prefill; 5 only in decode.
 PROMPTS = {"long": prompt(100, 1), "mid": prompt(70, 2), "edge": prompt(WINDOW + 1, 3)}
 PROMPTS["short"] = prompt(5, 4)
-LAYOUTS = ("one_pool", "two_pools")
+# The one pool; the two-pool layout on buffers the test keeps.
+LAYOUTS = ("one_pool", "emulated")
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +66,22 @@ def test_the_models_are_what_the_tests_need(swa_models, expected) -> None:
 
 def finish(bp, rids) -> None:
     for rid in rids:
-        if hasattr(bp, "drop"):
+        if isinstance(bp, EmulatedTwoPools):
             bp.drop(rid)
         else:
             bp.pool.release(rid, is_insert=False)
     bp.pool.check_integrity(idle=True)
-    if hasattr(bp, "swa_pages_held"):
+    if isinstance(bp, EmulatedTwoPools):
         assert bp.swa_pages_held == 0
+
+
+def swa_tokens_held(bp) -> int | None:
+    """SWA tokens the open requests hold (None in the one-pool layout)."""
+    if isinstance(bp, EmulatedTwoPools):
+        return bp.swa_pages_held * bp.pool.page_size
+    if isinstance(bp, HybridBound):
+        return bp.pool.swa_held_size()
+    return None
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -72,11 +90,12 @@ def finish(bp, rids) -> None:
 def test_batched_greedy_matches_transformers(
     swa_bound_pool, expected, kind: str, page_size: int, layout: str
 ) -> None:
-    bp = swa_bound_pool(kind, page_size, two_pools=layout == "two_pools")
+    bp = swa_bound_pool(kind, page_size, layout)
     outputs = bp.generate(PROMPTS, NUM_NEW)
     assert outputs == expected[kind]
-    if layout == "two_pools":  # pages that left the window were freed (and never read)
-        assert bp.swa_pages_held <= len(PROMPTS) * ((WINDOW - 1) // page_size + 2)
+    held = swa_tokens_held(bp)
+    if held is not None:  # pages that left the window were freed (and never read)
+        assert held <= len(PROMPTS) * (WINDOW + 2 * page_size)
     finish(bp, PROMPTS)
 
 
@@ -86,27 +105,32 @@ def test_batched_greedy_matches_transformers(
 def test_chunked_prefill_matches_transformers(
     swa_bound_pool, expected, kind: str, page_size: int, chunk: int, layout: str
 ) -> None:
-    bp = swa_bound_pool(kind, page_size, two_pools=layout == "two_pools")
+    bp = swa_bound_pool(kind, page_size, layout)
     prompts = {rid: PROMPTS[rid] for rid in ("long", "mid")}
     outputs = bp.generate(prompts, NUM_NEW, chunk_size=chunk)
     assert outputs == {rid: expected[kind][rid] for rid in prompts}
     finish(bp, prompts)
 
 
+@pytest.mark.parametrize("shared", ["all", "part"])
+@pytest.mark.parametrize("layout", ["one_pool"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefix_cached_extend_matches_transformers(
-    swa_bound_pool, hf_swa_models, kind: str, page_size: int
+    swa_bound_pool, hf_swa_models, kind: str, page_size: int, layout: str, shared: str
 ) -> None:
-    """A second request reuses the first one's KV from the radix tree (a prefix longer than
-    the window), then extends and decodes past it."""
-    bp = swa_bound_pool(kind, page_size)
+    """A second request reuses the first one's KV from the radix tree, then extends and
+    decodes past it. "all": it continues the first request's whole KV (a prefix over 3 W,
+    its SWA tail held); "part": it shares 90 of its 100 prompt tokens, whose SWA tail a
+    hybrid pool no longer holds (its match stops where it does, or is empty)."""
+    bp = swa_bound_pool(kind, page_size, layout)
     first = PROMPTS["long"]
     out = bp.generate({"a": first}, 8)["a"]
     bp.finish("a", first, out)
-    second = first[:90] + prompt(30, 5)
+    second = (first + out[:-1] if shared == "all" else first[:90]) + prompt(30, 5)
     prefix_len = bp.admit("b", second)
-    assert prefix_len >= 80 > 2 * WINDOW
+    if shared == "all" or layout == "one_pool":
+        assert prefix_len >= 80 > 2 * WINDOW
     got = bp.continue_decode(bp.prefill({"b": second}, {"b": prefix_len}), NUM_NEW)["b"]
     assert got == hf_greedy(hf_swa_models[kind], second, NUM_NEW)
     bp.finish("b", second, got)
@@ -147,7 +171,7 @@ def test_logits_match_and_the_window_matters(
     """Our logits are transformers' to float32 noise; a window one token off, or none, is
     told apart by far more, and without the window the tokens differ: the oracle can fail."""
     ids, steps = PROMPTS["long"], 30
-    bp = swa_bound_pool(kind, 16, two_pools=layout == "two_pools")
+    bp = swa_bound_pool(kind, 16, layout)
     tokens, logits = run_logits(bp, swa_models[kind], ids, steps)
     want = hf_logits(hf_swa_models[kind], ids + tokens[:-1])[len(ids) - 1 :]
     error = (logits - want).abs().max().item()
@@ -156,10 +180,12 @@ def test_logits_match_and_the_window_matters(
     path = swa_checkpoints[kind]
     for window in (WINDOW - 1, WINDOW + 1, None):
         variant = windowed_variant(swa_models[kind], path, window)
-        if layout == "two_pools" and window is None:
+        if window is None:
             bp = swa_bound_pool(kind, 16)  # no sliding layer: one pool
+        elif layout == "memsvc":  # memsvc keeps the variant's window
+            bp = swa_bound_pool(kind, 16, layout, sliding_window=window)
         else:
-            bp = swa_bound_pool(kind, 16, two_pools=layout == "two_pools")
+            bp = swa_bound_pool(kind, 16, layout)
         other_tokens, other = run_logits(bp, variant, ids, steps)
         assert (other - want).abs().max().item() > 100 * max(error, 1e-6), window
         if window is None:
@@ -178,7 +204,7 @@ def test_dense_reference_honours_the_window(swa_models, expected, kind: str) -> 
 
 
 def test_an_in_window_position_without_an_swa_page_is_refused(swa_bound_pool) -> None:
-    bp = swa_bound_pool("hybrid", 4, two_pools=True)
+    bp = swa_bound_pool("hybrid", 4, "emulated")
     ids = PROMPTS["mid"]
     bp.admit("r", ids)
     first = int(bp.extend([("r", ids)])[0].argmax())
