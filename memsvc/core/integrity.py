@@ -23,6 +23,7 @@ import numpy as np
 
 from memsvc.core.allocator import OWNER_FREE, OWNER_PENDING, OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import IntegrityError
+from memsvc.core.swa_check import check_swa
 
 if TYPE_CHECKING:
     from memsvc.core.pool import KVPool
@@ -107,10 +108,11 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
         problems.append("req_to_token rows in use do not match open requests")
 
     held = int((owners[1:] > 0).sum()) * page_size
-    total = pool.available_size() + pool.evictable_size() + pool.protected_size() + held
+    available = pool.full_available_size()  # available_size() unless hybrid (min of the pools)
+    total = available + pool.evictable_size() + pool.protected_size() + held
     if total != num_pages * page_size:
         problems.append(
-            f"available {pool.available_size()} + evictable {pool.evictable_size()} + "
+            f"available {available} + evictable {pool.evictable_size()} + "
             f"protected {pool.protected_size()} + held {held} != capacity {pool.capacity}"
         )
     host_bytes = sum(pool.host_store.entry_bytes(rid) for rid in pool.host_store.rids())
@@ -134,9 +136,11 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
             problems.append(f"idle but {len(pool.open_rids())} requests are open")
         if pool.protected_size():
             problems.append(f"idle but protected = {pool.protected_size()}")
-        if pool.available_size() + pool.evictable_size() != pool.capacity:
+        if available + pool.evictable_size() != pool.capacity:
             problems.append("idle but available + evictable != capacity")
         if len(pool.host_store):
             problems.append(f"idle but the host store holds {len(pool.host_store)} entries")
+    if pool.swa is not None:
+        check_swa(pool, problems, idle=idle)
     if problems:
         raise IntegrityError("; ".join(problems))

@@ -56,6 +56,9 @@ from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.req_to_token import ReqToTokenTable
 from memsvc.core.request_prefix import RequestPrefixes, TierMatch, as_token_array
 from memsvc.core.retract import RetractResult, retract_until_fits
+from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.core.swa_radix_cache import SWARadixCache
+from memsvc.core.swa_window import SWAWindows
 
 
 @dataclass
@@ -98,14 +101,36 @@ class KVPool(HostStoreOps):
         # Offload copies return before they finish; freed pages wait for them.
         self.async_offload = async_offload
         self.buffers = create_buffers(layout, backend, **(backend_options or {}))
+        # Hybrid (sliding-window) models: two pools, their tree and each request's window.
+        self.swa: SWAWindows | None = None
         try:
-            self.allocator = PageAllocator(layout.num_pages, layout.page_size)
+            self.allocator: PageAllocator
+            if layout.is_hybrid:
+                self.allocator = SWAPageAllocator(
+                    layout.num_pages,
+                    layout.swa_num_pages,
+                    layout.page_size,
+                    self.buffers.full_to_swa_page,
+                )
+            else:
+                self.allocator = PageAllocator(layout.num_pages, layout.page_size)
             self.table = ReqToTokenTable(self.buffers)
             # The pool goes through ``tree`` alone (a PrefixCache, whichever kind it is);
             # ``hicache`` is there for callers of the hierarchy's own API (tiers, stats).
             self.tree: PrefixCache
             self.hicache: HiRadixCache | None = None
-            if hicache is not None:
+            if hicache is not None and layout.is_hybrid:
+                raise InvalidArgumentError(
+                    "the hierarchical cache has no SWA pool yet: a hybrid (sliding-window) "
+                    "model runs without --enable-hierarchical-cache"
+                )
+            if layout.is_hybrid:
+                assert isinstance(self.allocator, SWAPageAllocator)
+                self.tree = SWARadixCache(
+                    self.allocator, layout.sliding_window, disabled=disable_radix_cache
+                )
+                self.swa = SWAWindows(self.table, self.allocator, self.tree, layout.sliding_window)
+            elif hicache is not None:
                 if disable_radix_cache:
                     raise InvalidArgumentError(
                         "the hierarchical cache needs the radix cache (drop --disable-radix-cache)"
@@ -139,10 +164,44 @@ class KVPool(HostStoreOps):
         return self.allocator.capacity
 
     def available_size(self) -> int:
+        """Free tokens an allocation can have: ``min(full, swa)`` for a hybrid model."""
         return self.allocator.available_size()
 
     def evictable_size(self) -> int:
+        """The tree's full-pool tokens in unlocked nodes."""
         return self.tree.evictable_size()
+
+    # The pools one by one (a model without sliding layers has the full pool alone).
+
+    def full_available_size(self) -> int:
+        allocator = self.allocator
+        if isinstance(allocator, SWAPageAllocator):
+            return allocator.full_available_size()
+        return allocator.available_size()
+
+    @property
+    def swa_capacity(self) -> int:
+        """SWA pool token slots (0 without sliding layers)."""
+        return self.layout.swa_capacity_tokens
+
+    def swa_available_size(self) -> int:
+        allocator = self.allocator
+        return allocator.swa_available_size() if isinstance(allocator, SWAPageAllocator) else 0
+
+    def swa_evictable_size(self) -> int:
+        tree = self.tree
+        return tree.swa_evictable_size() if isinstance(tree, SWARadixCache) else 0
+
+    def swa_protected_size(self) -> int:
+        tree = self.tree
+        return tree.swa_protected_size() if isinstance(tree, SWARadixCache) else 0
+
+    def swa_held_size(self) -> int:
+        """SWA tokens on pages that live requests own."""
+        tree = self.tree
+        if not isinstance(tree, SWARadixCache):
+            return 0
+        return self.swa_capacity - self.swa_available_size() - tree.swa_total_size()
 
     def protected_size(self) -> int:
         return self.tree.protected_size()
@@ -170,6 +229,8 @@ class KVPool(HostStoreOps):
             )
         self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens)
         self._kv_lens[row] = 0
+        if self.swa is not None:
+            self.swa.open(row, 0)
         self._rids_by_row[row] = rid
         self.rows_generation += 1
         return row
@@ -221,7 +282,10 @@ class KVPool(HostStoreOps):
             raise InvalidArgumentError(
                 f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
             )
-        return self._prefixes.match(req, tokens)
+        match = self._prefixes.match(req, tokens)
+        if self.swa is not None:
+            self.swa.open(req.row, req.protected_len)
+        return match
 
     def settle_loads(self, rids: Iterable[str]) -> dict[str, int]:
         """Wait for the loads of ``rids``' matched prefixes (hicache).
@@ -283,14 +347,19 @@ class KVPool(HostStoreOps):
         if total_pages > self.allocator.num_free_pages:
             return None
         out = []
+        starts = []
         for (rid, num_tokens), num_pages in zip(items, per_request, strict=True):
             req = self._reqs[rid]
+            starts.append((req.row, req.kv_len))
             pages = self.allocator.alloc_pages(num_pages, owner=req.row)
             last_slot = int(self.table.array[req.row, req.kv_len - 1]) if req.kv_len else 0
             slots = extend_slots(pages, self.page_size, req.kv_len, num_tokens, last_slot)
             self.table.write(req.row, req.kv_len, slots)
             req.kv_len += num_tokens
             out.append(slots)
+        if self.swa is not None and starts:
+            rows, lens = zip(*starts, strict=True)
+            self.swa.allocated(np.array(rows), np.array(lens))
         return np.concatenate(out) if out else np.empty(0, dtype=SLOT_DTYPE)
 
     def decode_tokens_required(self, rids: Iterable[str]) -> int:
@@ -320,7 +389,11 @@ class KVPool(HostStoreOps):
         (see :mod:`memsvc.core.decode_rows`); ``rows_checked`` skips
         :meth:`check_rows` when the caller just ran it."""
         make_room = self.ensure_available if evict else None
-        return self._rows.allocate(rows, make_room=make_room, rows_checked=rows_checked)
+        slots = self._rows.allocate(rows, make_room=make_room, rows_checked=rows_checked)
+        if self.swa is not None and slots is not None:
+            rows = np.asarray(rows, dtype=np.int64)
+            self.swa.allocated(rows, self._kv_lens[rows] - 1)
+        return slots
 
     def check_rows(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` as int64, if each is an open request's row and none repeats."""
@@ -352,15 +425,33 @@ class KVPool(HostStoreOps):
         )
 
     def evict(self, num_tokens: int) -> int:
+        """Free full-pool tokens from the tree (with their SWA pages)."""
         return self.tree.evict(num_tokens)
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free SWA-pool tokens from the tree, tombstoning (hybrid models; else 0)."""
+        tree = self.tree
+        return tree.evict_swa(num_tokens) if isinstance(tree, SWARadixCache) else 0
 
     def flush_cache(self, *, device_only: bool = False) -> int:
         """Evict every unlocked prefix (and, with the hierarchy, drop the host and storage
         copies unless ``device_only``); returns the device tokens evicted."""
-        return self.tree.flush(device_only=device_only)
+        evicted = self.tree.flush(device_only=device_only)
+        if isinstance(self.tree, SWARadixCache):
+            self.tree.flush_swa()
+        return evicted
 
     def ensure_available(self, num_tokens: int) -> None:
-        """Evict from the tree only what is missing for ``num_tokens`` free slots."""
+        """Evict from the tree only what is missing for ``num_tokens`` free slots; for a
+        hybrid model each pool's shortfall, full first (it frees SWA pages too)."""
+        if self.swa is not None:
+            full_shortfall = num_tokens - self.full_available_size()
+            if full_shortfall > 0:
+                self.tree.evict(full_shortfall)
+            swa_shortfall = num_tokens - self.swa_available_size()
+            if swa_shortfall > 0:
+                self.evict_swa(swa_shortfall)
+            return
         shortfall = num_tokens - self.available_size()
         if shortfall > 0:
             self.tree.evict(shortfall)
@@ -370,7 +461,11 @@ class KVPool(HostStoreOps):
 
         ``token_ids`` are the request's tokens whose KV is written (``kv_len`` of them).
         """
-        return self._prefixes.publish(self.request(rid), token_ids)
+        req = self.request(rid)
+        protected_len = self._prefixes.publish(req, token_ids)
+        if self.swa is not None:
+            self.swa.published(req.row, protected_len)
+        return protected_len
 
     def release(
         self,
@@ -386,6 +481,8 @@ class KVPool(HostStoreOps):
         """
         req = self.request(rid)
         self._prefixes.hand_back(req, token_ids, is_insert=is_insert)
+        if self.swa is not None:  # its pinned pages are still the tree's: only unpinned
+            self.swa.close(req.row)
         # Zeroed, so a worker handed a stale row sees slot 0 (the padding page) and refuses.
         self.table.write(req.row, 0, np.zeros(req.kv_len, dtype=SLOT_DTYPE))
         self.table.free(req.row)

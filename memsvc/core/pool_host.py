@@ -17,6 +17,7 @@ from memsvc.core.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from memsvc.core.allocator import PageAllocator
     from memsvc.core.host_store import HostStore
+    from memsvc.core.layout import PoolLayout
     from memsvc.core.pool import ReqKV
     from memsvc.core.req_to_token import ReqToTokenTable
 
@@ -25,6 +26,7 @@ class HostStoreOps:
     """See the module docstring."""
 
     async_offload: bool
+    layout: PoolLayout
     allocator: PageAllocator
     host_store: HostStore
     table: ReqToTokenTable
@@ -38,6 +40,7 @@ class HostStoreOps:
 
     def offload(self, rid: str, num_tokens: int | None = None) -> int:
         """Copy the KV of the first ``num_tokens`` positions of ``rid`` to the host store."""
+        self._refuse_hybrid("offload")
         req = self.request(rid)
         num_tokens = req.kv_len if num_tokens is None else num_tokens
         if not 0 <= num_tokens <= req.kv_len:
@@ -55,6 +58,7 @@ class HostStoreOps:
 
         Returns the slots, or ``None`` (nothing changed) when the pool has no room.
         """
+        self._refuse_hybrid("load")
         req = self.request(rid)
         if req.kv_len:
             raise InvalidArgumentError(f"load needs an empty row; {rid!r} holds {req.kv_len}")
@@ -63,6 +67,14 @@ class HostStoreOps:
         if slots is not None:
             self.host_store.load(rid, slots)
         return slots
+
+    def _refuse_hybrid(self, what: str) -> None:
+        # The host store copies the full pool's pages alone; a hybrid model's window
+        # KV would be lost (issue 29, item 4 moves it).
+        if self.layout.is_hybrid:
+            raise InvalidArgumentError(
+                f"{what}: the host store has no SWA pool yet (a hybrid sliding-window model)"
+            )
 
     def host_discard(self, rid: str) -> None:
         self.host_store.discard(rid)

@@ -40,7 +40,12 @@ def test_hybrid_layers_and_sizes() -> None:
     assert layout.is_hybrid
     assert layout.full_layer_ids == (2,) and layout.swa_layer_ids == (0, 1, 3, 4, 5)
     assert [layout.layer_slot(i) for i in range(6)] == [
-        ("swa", 0), ("swa", 1), ("full", 0), ("swa", 2), ("swa", 3), ("swa", 4)
+        ("swa", 0),
+        ("swa", 1),
+        ("full", 0),
+        ("swa", 2),
+        ("swa", 3),
+        ("swa", 4),
     ]
     per_layer = 2 * 2 * 4 * 4
     assert layout.bytes_per_token == per_layer and layout.swa_bytes_per_token == 5 * per_layer

@@ -1,0 +1,124 @@
+"""Each open request's sliding window over its row: which positions still hold SWA KV.
+
+A hybrid model's sliding-window layers read, for the query at position ``q``,
+the keys at positions ``q - W < p <= q``. Positions below every query still to
+run never need their SWA KV again; their SWA pages are freed as the request
+grows (SGLang's ``swa_evicted_seqlen``, page aligned)::
+
+    row   | tombstoned / freed SWA  |<------------- SWA held -------------->|
+          0                   swa_evicted_len                            kv_len
+          |<---- tree's (protected_len) ---->|<---- the request's own ---->|
+          tree pages in [swa_evicted_len, protected_len): pinned (the tree keeps their SWA)
+          own pages below swa_evicted_len: SWA page freed (full page kept)
+
+With the overlap schedule memsvc allocates batch ``n + 1`` while batch ``n``
+runs, so the frontier follows the *previous* allocation of the row, the
+oldest that may still be running: after an allocation starting at ``s`` the
+frontier is ``floor_page(max(0, s_prev + 1 - W))``, ``s_prev`` the start of
+the allocation before it. In a decode run that is ``floor_page(L - 1 - W)`` for
+``L = kv_len``: what SGLang's ``_evict_swa(req, seqlen - 1)`` keeps with its
+page margin dropped. The first decode step after an extend keeps the whole
+extend's window (SGLang skips that step's eviction for the same reason).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memsvc.core.allocator import SLOT_DTYPE
+from memsvc.core.req_to_token import ReqToTokenTable
+from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.core.swa_radix_cache import SWARadixCache, swa_tail_start
+
+
+class SWAWindows:
+    """Per row: ``swa_evicted_len`` and the start of its last allocation; the tree pins."""
+
+    def __init__(
+        self,
+        table: ReqToTokenTable,
+        allocator: SWAPageAllocator,
+        tree: SWARadixCache,
+        sliding_window: int,
+    ) -> None:
+        self.table = table
+        self.allocator = allocator
+        self.tree = tree
+        self.sliding_window = sliding_window
+        self.page_size = allocator.page_size
+        self.evicted_lens = np.zeros(table.num_rows, dtype=np.int64)  # swa_evicted_seqlen
+        self.alloc_starts = np.zeros(table.num_rows, dtype=np.int64)
+        self.protected_lens = np.zeros(table.num_rows, dtype=np.int64)
+        self._pinned: dict[int, np.ndarray] = {}  # row -> the tree pages it pins
+
+    def frontier(self, starts: np.ndarray) -> np.ndarray:
+        """``floor_page(max(0, start + 1 - W))`` for each allocation start."""
+        front = np.maximum(starts + 1 - self.sliding_window, 0)
+        return front - front % self.page_size
+
+    # -- a request's life ------------------------------------------------------------
+
+    def open(self, row: int, protected_len: int) -> None:
+        """``row`` holds a matched prefix of ``protected_len`` tokens (0: none) and no
+        KV of its own: its window starts at the prefix's SWA tail."""
+        self.close(row)
+        self.evicted_lens[row] = swa_tail_start(protected_len, self.sliding_window, self.page_size)
+        self.alloc_starts[row] = protected_len
+        self._set_protected(row, protected_len)
+
+    def close(self, row: int) -> None:
+        """The request releases its window's pins (its pages go with its hand-back)."""
+        pinned = self._pinned.pop(row, None)
+        if pinned is not None:
+            self.tree.unpin(pinned)
+        self.evicted_lens[row] = self.alloc_starts[row] = self.protected_lens[row] = 0
+
+    def published(self, row: int, protected_len: int) -> None:
+        """The request's KV up to ``protected_len`` went into the tree (it runs on it)."""
+        self._set_protected(row, protected_len)
+
+    def allocated(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """``rows`` were each given positions from ``starts`` on: free the SWA pages that
+        left every window still to run (see the module docstring)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        new = np.maximum(self.frontier(self.alloc_starts[rows]), self.evicted_lens[rows])
+        self.alloc_starts[rows] = starts
+        for i in np.flatnonzero(new > self.evicted_lens[rows]).tolist():
+            self._advance(int(rows[i]), int(new[i]))
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _advance(self, row: int, new_evicted: int) -> None:
+        ps, old = self.page_size, int(self.evicted_lens[row])
+        protected = int(self.protected_lens[row])
+        own_from = max(old, protected)
+        if new_evicted > own_from:
+            slots = self.table.read(row, own_from, new_evicted)
+            self.allocator.free_swa_pages(slots[::ps] // ps)
+        self.evicted_lens[row] = new_evicted
+        if old < protected:
+            self._repin(row)
+
+    def _set_protected(self, row: int, protected_len: int) -> None:
+        self.protected_lens[row] = protected_len
+        # a prefix published past the window: what lies below it was never pinned
+        self._repin(row)
+
+    def _repin(self, row: int) -> None:
+        ps = self.page_size
+        start, end = int(self.evicted_lens[row]), int(self.protected_lens[row])
+        pages = (
+            self.table.read(row, start, end)[::ps] // ps
+            if end > start
+            else np.empty(0, dtype=SLOT_DTYPE)
+        )
+        self.tree.pin(pages)  # first, so a page pinned before and after never drops to 0
+        old = self._pinned.pop(row, None)
+        if old is not None:
+            self.tree.unpin(old)
+        if pages.size:
+            self._pinned[row] = pages
+
+    def pinned_pages(self, row: int) -> np.ndarray:
+        return self._pinned.get(row, np.empty(0, dtype=SLOT_DTYPE))
