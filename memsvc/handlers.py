@@ -41,6 +41,16 @@ log = logging.getLogger("memsvc")
 Reply = tuple[dict[str, Any], dict[str, np.ndarray] | None]
 
 
+def swa_sizes(pool: KVPool) -> dict[str, int]:
+    """A hybrid pool's sizes, pool by pool, in tokens (every reply carries them)."""
+    return {
+        "full_available": pool.full_available_size(),
+        "swa_available": pool.swa_available_size(),
+        "swa_evictable": pool.swa_evictable_size(),
+        "swa_protected": pool.swa_protected_size(),
+    }
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     retract_decode_steps: int = 20  # SGLANG_RETRACT_DECODE_STEPS
@@ -131,13 +141,16 @@ class MemService(BatchHandlers, PdHandlers):
     def _sizes(self) -> dict[str, Any]:
         """What every reply carries: the epoch and the pool's sizes (all O(1) reads)."""
         pool = self.pool
-        return {
+        sizes = {
             "epoch": self.epoch,
             "available": pool.available_size(),
             "evictable": pool.evictable_size(),
             "protected": pool.protected_size(),
             "host_free": pool.host_store.free_bytes,
         }
+        if pool.swa is not None:  # a hybrid model: "available" is min(full, swa)
+            sizes.update(swa_sizes(pool))
+        return sizes
 
     def _pack_ok(
         self, op_id: int, fields: dict[str, Any], arrays: dict[str, np.ndarray] | None
@@ -278,6 +291,15 @@ class MemService(BatchHandlers, PdHandlers):
             "sessions": len(self.sessions),
             "transfer": self.transfer.stats() if self.transfer else None,
             "hicache": pool.hicache.stats_dict() if pool.hicache is not None else None,
+            # hybrid models: the SWA pool (None without sliding-window layers)
+            "swa": {
+                **swa_sizes(pool),
+                "swa_capacity": pool.swa_capacity,
+                "swa_held": pool.swa_held_size(),
+                "sliding_window": pool.layout.sliding_window,
+            }
+            if pool.swa is not None
+            else None,
             "counters": self.metrics.counters(),
             "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
         }, None

@@ -21,6 +21,13 @@ there. The reply's ``before`` has the pool's sizes (available, evictable,
 protected, host_free) before the first candidate was opened: the budget of
 the round. A candidate that gets no row ends the batch (``out_of_rows``); any
 other failure closes every candidate the message opened and is the reply.
+
+A hybrid (sliding-window) model's pool adds, besides the reply's per-pool
+sizes (``full_available``, ``swa_available``, ``swa_evictable``,
+``swa_protected``), ``before_swa`` (swa_available, swa_evictable,
+swa_protected before the first candidate) and the array ``swa_pinned``: per
+candidate, what its match took from the SWA evictable size (the SWA tail of
+its prefix, now held for it).
 """
 
 from __future__ import annotations
@@ -101,6 +108,13 @@ class BatchHandlers:
             pool.hicache.cost.observe_recompute(msg.recompute_s_per_token)
         opened: list[str] = []
         matches: list[tuple[int, ...]] = []
+        hybrid = pool.swa is not None
+        before_swa = (
+            [sizes["swa_available"], sizes["swa_evictable"], sizes["swa_protected"]]
+            if hybrid
+            else None
+        )
+        swa_pinned: list[int] = []
         out_of_rows = False
         try:
             parts = split_tokens(msg.token_ids, msg.token_lens)
@@ -114,8 +128,10 @@ class BatchHandlers:
                 self.sessions.claim(session, rid)
                 self._row_session[row] = session.num
                 available, evictable = pool.available_size(), pool.evictable_size()
+                swa_evictable = pool.swa_evictable_size()
                 match = pool.match_prefix_tiers(rid, tokens)
                 pinned = evictable - pool.evictable_size()
+                swa_pinned.append(swa_evictable - pool.swa_evictable_size())
                 if loads:
                     pinned += available - pool.available_size()
                 matches.append(
@@ -136,7 +152,11 @@ class BatchHandlers:
             raise
         table = np.array(matches, dtype=p.ARRAY_DTYPE).reshape(-1, len(ADMIT_COLUMNS))
         fields = {"out_of_rows": out_of_rows, "not_owner": not_owner, "before": before}
-        return fields, {"matches": table.reshape(-1)}
+        arrays = {"matches": table.reshape(-1)}
+        if hybrid:
+            fields["before_swa"] = before_swa
+            arrays["swa_pinned"] = np.array(swa_pinned[: len(matches)], dtype=p.ARRAY_DTYPE)
+        return fields, arrays
 
     def _free_rows(self, session: Session, rids: list[str]) -> None:
         """``free_row`` for each of ``rids`` (all already checked)."""

@@ -254,7 +254,7 @@ class _Collector:
         pool = service.pool
         sizes = {
             "capacity": pool.capacity,
-            "available": pool.available_size(),
+            "available": pool.full_available_size(),  # the full pool's, hybrid or not
             "evictable": pool.evictable_size(),
             "protected": pool.protected_size(),
             "held": pool.held_size(),
@@ -263,8 +263,26 @@ class _Collector:
         for state, value in sizes.items():
             tokens.add_metric([state], value)
         yield tokens
-        used = pool.capacity - pool.available_size() - pool.evictable_size()
+        used = pool.capacity - pool.full_available_size() - pool.evictable_size()
         yield gauge("memsvc_token_usage", "Fraction of the pool in use", value=used / pool.capacity)
+        if pool.swa is not None:  # a hybrid model's SWA pool (SGLang: swa_token_usage)
+            swa = gauge("memsvc_swa_tokens", "SWA pool tokens by state", labels=["state"])
+            swa_used = pool.swa_capacity - pool.swa_available_size() - pool.swa_evictable_size()
+            for state, value in (
+                ("capacity", pool.swa_capacity),
+                ("available", pool.swa_available_size()),
+                ("evictable", pool.swa_evictable_size()),
+                ("protected", pool.swa_protected_size()),
+                ("held", pool.swa_held_size()),
+                ("used", swa_used),
+            ):
+                swa.add_metric([state], value)
+            yield swa
+            yield gauge(
+                "memsvc_swa_token_usage",
+                "Fraction of the SWA pool in use",
+                value=swa_used / pool.swa_capacity,
+            )
         host = gauge("memsvc_host_store_bytes", "Host store bytes", labels=["state"])
         host.add_metric(["used"], pool.host_store.used_bytes)
         host.add_metric(["free"], pool.host_store.free_bytes)

@@ -213,7 +213,7 @@ class KVPool(HostStoreOps):
 
     def held_size(self) -> int:
         """Tokens on pages that live requests own (not counting their locked tree prefix)."""
-        return self.capacity - self.available_size() - self.tree.total_size()
+        return self.capacity - self.full_available_size() - self.tree.total_size()
 
     # -- requests --------------------------------------------------------------
 
