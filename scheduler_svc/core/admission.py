@@ -304,13 +304,18 @@ class PrefillAdder:
         full_len = req.seq_len - prefix_len
         if full_len < 1:
             raise ValueError(f"chunked request {req.rid!r} has nothing left to prefill")
+        swa_limit = None
         if self.swa is not None:
             swa_limit = self.swa.available_chunk_tokens(
                 self.rem_chunk_tokens, self.remaining_total_tokens
             )
-            if swa_limit is None:  # parked: not admitted this round, nothing charged
-                self._chunk_parked = True
-                return AddDecision(self.budget_state(), 0)
+        if swa_limit is None and self.swa is not None and self.num_running_reqs > 0:
+            # Parked: not admitted this round, nothing charged; the running requests'
+            # decoding frees SWA pages as their windows slide. (With none running nothing
+            # would: the single-pool rule goes on, memsvc's allocation deciding.)
+            self._chunk_parked = True
+            return AddDecision(self.budget_state(), 0)
+        if swa_limit is not None:
             limit = swa_limit
         else:
             limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))

@@ -196,10 +196,14 @@ def in_progress(input_len: int, done: int):
     return req
 
 
-def chunk_adder(available_swa: int, req) -> PrefillAdder:
+def chunk_adder(available_swa: int, req, num_running_reqs: int = 1) -> PrefillAdder:
     gate = SwaPrefillGate(spec(), SwaSizes(available_swa, 0))
     return PrefillAdder(
-        config(page_size=PS, chunked_prefill_size=512), 100_000, chunked_req=req, swa=gate
+        config(page_size=PS, chunked_prefill_size=512),
+        100_000,
+        num_running_reqs=num_running_reqs,
+        chunked_req=req,
+        swa=gate,
     )
 
 
@@ -223,6 +227,15 @@ def test_in_progress_chunk_is_parked_by_the_swa_budget():
     a.swa.sizes = SwaSizes(10_000, 0)
     assert a.add_one_req(make_req("w2", 1000, max_new_tokens=1), 0) == AddDecision(OTHER, 0)
     assert a.add_one_req(make_req("w3", 40, max_new_tokens=1), 0) == AddDecision(CONTINUE, 40)
+
+
+def test_in_progress_chunk_is_not_parked_with_nothing_running():
+    # nothing running: no decode would free SWA pages, so parking would wait forever; the
+    # single-pool rule goes on: min(512, remaining_total) (kvstack, sglang-differences)
+    req = in_progress(2000, 512)
+    a = chunk_adder(16, req, num_running_reqs=0)
+    # (the chunk's reservation, 384 + 128 + 16, leaves the SWA budget spent: NO_TOKEN)
+    assert a.add_chunked_req(req) == AddDecision(NO_TOKEN, 512)
 
 
 def test_pure_swa_model_bases_the_total_budget_on_the_swa_pool():

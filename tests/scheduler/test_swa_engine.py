@@ -74,20 +74,43 @@ def test_swa_budget_parks_the_in_progress_chunk_then_it_resumes(service) -> None
         h = await Harness(service, chunked_prefill_size=8).start()
         swa = {"available": 40}
         inject(h, swa)
-        prompt = [3] * 30
+        short_prompt, prompt = [5] * 4, [3] * 30
+        h.submit("short", short_prompt, 40)  # running while the long one is chunked
         req = h.submit("long", prompt, 4)
-        await h.engine.step()  # the first chunk: 8 tokens
-        assert h.engine.chunked is req and req.kv_len == 8
+        await h.engine.step()  # short whole (4 tokens), long's first chunk (the rest: 4)
+        await h.engine.step()  # the second chunk: 8 more
+        assert [r.rid for r in h.engine.running] == ["short"]
+        assert h.engine.chunked is req and req.kv_len == 12
         computed = h.model.extend_tokens
         swa["available"] = PAGE  # min(8, total, 4 - 4) = 0: parked
         for _ in range(3):
             await h.engine.step()
-        assert h.engine.chunked is req and req.kv_len == 8
+        assert h.engine.chunked is req and req.kv_len == 12
         assert h.model.extend_tokens == computed  # nothing computed, nothing allocated
-        assert service.pool.available_size() == service.pool.capacity - 8
+        assert "short" not in h.done and len(h.engine.running) == 1  # decoding goes on
         swa["available"] = 40
         await h.run()
         assert h.done["long"].output_ids == expected_output(prompt, 4)
+        assert h.done["short"].output_ids == expected_output(short_prompt, 40)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+def test_with_nothing_running_a_chunk_is_not_parked(service) -> None:
+    async def scenario() -> None:
+        h = await Harness(service, chunked_prefill_size=8).start()
+        swa = {"available": 40}
+        inject(h, swa)
+        prompt = [3] * 30
+        req = h.submit("long", prompt, 4)
+        await h.engine.step()  # the first chunk: 8 tokens
+        swa["available"] = PAGE  # the SWA budget would park it now
+        await h.engine.step()
+        assert req.kv_len == 16  # not parked: no decode would ever free SWA pages
+        await h.run()
+        assert h.done["long"].output_ids == expected_output(prompt, 4)
+        assert req.finish_reason is not None
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())
