@@ -5,8 +5,8 @@ long shared documents; ``chat``, multi-turn chat with short turns; ``agent``,
 agentic traces with long growing contexts; ``unique``, the no-reuse control) on
 one device pool size, given as its pressure: the workload's working set (the
 distinct tokens of every conversation's final history in a round) over the
-pool, from roomy (0.8: the pool holds the whole working set) to tight (4: a
-quarter of it; never less than the longest history needs).
+pool, from roomy (0.8: the pool holds the whole working set) to tight (4, 6 for
+``docs``: a quarter, a sixth of it; never less than the longest history needs).
 
 A cell starts two real normal-mode stacks (memsvc, model_svc, scheduler_svc) on
 SmolLM2-135M-Instruct (``--model-path``) with the same pool and scheduler flags,
