@@ -14,8 +14,14 @@ from dataclasses import dataclass, field
 
 from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE
 from memsvc.core.backends import BACKENDS
+from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.hicache_config import HiCacheConfig
-from memsvc.core.layout import PoolLayout
+from memsvc.core.layout import (
+    DEFAULT_SWA_FULL_TOKENS_RATIO,
+    LAYER_TYPES,
+    PoolLayout,
+    hybrid_layout,
+)
 from memsvc.handlers import ServiceConfig
 from memsvc.sessions import REPLY_CACHE_SIZE
 from memsvc.settings import setting
@@ -94,6 +100,25 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class MemsvcConfig:
     layout: PoolLayout = field(metadata={"part": PoolLayout, "group": POOL, "fields": LAYOUT_FLAGS})
+    # A hybrid (sliding-window) model: the layout's num_pages is the byte budget of every
+    # layer full, split into the two pools by swa_full_tokens_ratio (SGLang's sizing).
+    layer_types: str | None = setting(
+        None,
+        "each layer's attention, comma-separated: full_attention or sliding_attention "
+        "(transformers' config.layer_types); with a sliding layer the pool is two pools, "
+        "full and SWA, in the bytes --num-pages pages of every layer would take",
+        metavar="TYPES",
+        group=POOL,
+    )
+    sliding_window: int = setting(
+        0, "tokens a sliding_attention layer attends to (config.sliding_window)", group=POOL
+    )
+    swa_full_tokens_ratio: float = setting(
+        DEFAULT_SWA_FULL_TOKENS_RATIO,
+        "SWA pool tokens per full pool token, per layer (SGLang's --swa-full-tokens-ratio)",
+        group=POOL,
+        forward=True,
+    )
     disable_radix_cache: bool = setting(
         False,
         "no prefix reuse: finished requests' KV is freed, not cached",
@@ -176,11 +201,31 @@ class MemsvcConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            object.__setattr__(self, "layout", self._hybrid_layout(self.layer_types))
+        elif self.sliding_window:
+            raise InvalidArgumentError("--sliding-window needs --layer-types")
         # The storage tier's subdirectory is named after the PD role.
         role = "normal" if self.pd_role == "none" else self.pd_role
         if self.hicache is not None and self.hicache.storage_role != role:
             hicache = dataclasses.replace(self.hicache, storage_role=role)
             object.__setattr__(self, "hicache", hicache)
+
+    def _hybrid_layout(self, text: str) -> PoolLayout:
+        layer_types = tuple(t.strip() for t in text.split(",") if t.strip())
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise InvalidArgumentError(
+                f"--layer-types: unknown layer type(s) {unknown}; each is one of {LAYER_TYPES}"
+            )
+        if len(layer_types) != self.layout.num_layers:
+            raise InvalidArgumentError(
+                f"--layer-types names {len(layer_types)} layers, --num-layers is "
+                f"{self.layout.num_layers}"
+            )
+        return hybrid_layout(
+            self.layout, layer_types, self.sliding_window, self.swa_full_tokens_ratio
+        )
 
     @property
     def async_offload(self) -> bool:

@@ -56,7 +56,8 @@ class HostStore:
             raise InvalidArgumentError(f"host store capacity must be >= 0, got {capacity_bytes}")
         self._buffers = buffers
         self._page_bytes = buffers.layout.bytes_per_page
-        self.num_pages = capacity_bytes // self._page_bytes
+        # a pure sliding-window model's full pool has no bytes: no host store for it
+        self.num_pages = capacity_bytes // self._page_bytes if self._page_bytes else 0
         self.capacity_bytes = self.num_pages * self._page_bytes
         self._arena = buffers.alloc_host(self.num_pages)
         self._arena.view(np.uint8).reshape(-1)[::4096] = 0  # fault every OS page in now

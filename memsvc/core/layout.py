@@ -32,7 +32,7 @@ without sliding layers has neither ``swa_kv`` nor the table, exactly as before.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -47,6 +47,9 @@ DTYPES: dict[str, tuple[np.dtype, int]] = {
     "float32": (np.dtype(np.float32), 4),
     "float64": (np.dtype(np.float64), 8),  # for exactness checks against a reference
 }
+
+# SGLang's --swa-full-tokens-ratio default: SWA-layer tokens per full-layer token
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8
 
 # transformers' names for a layer's attention kind (config.layer_types)
 FULL_ATTENTION = "full_attention"
@@ -263,3 +266,75 @@ class PoolLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PoolLayout:
         return cls(**data)
+
+
+def split_hybrid_pages(
+    num_pages: int,
+    page_size: int,
+    num_full_layers: int,
+    num_swa_layers: int,
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
+) -> tuple[int, int]:
+    """``(full pages, SWA pages)`` in the bytes of ``num_pages`` pages of every layer.
+
+    SGLang's sizing of a hybrid pool (``--swa-full-tokens-ratio`` r): with ``T``
+    tokens of every layer, find full tokens ``F`` and SWA tokens ``S`` with::
+
+        F * num_full_layers + S * num_swa_layers = T * num_layers   (the same bytes)
+        S = r * F
+
+    so ``F = int(T * num_layers / (r * num_swa_layers + num_full_layers))`` and
+    ``S = int(F * r)``, each then rounded down to whole pages.
+    """
+    num_layers = num_full_layers + num_swa_layers
+    if num_swa_layers < 1:
+        raise InvalidArgumentError("split_hybrid_pages needs a sliding-window layer")
+    if not swa_full_tokens_ratio > 0:
+        raise InvalidArgumentError(
+            f"--swa-full-tokens-ratio must be > 0, got {swa_full_tokens_ratio}"
+        )
+    total_tokens = num_pages * page_size * num_layers
+    denominator = swa_full_tokens_ratio * num_swa_layers + num_full_layers
+    full_tokens = int(total_tokens / denominator)
+    swa_tokens = int(full_tokens * swa_full_tokens_ratio)
+    full_pages, swa_pages = full_tokens // page_size, swa_tokens // page_size
+    if full_pages < 1 or swa_pages < 1:
+        raise InvalidArgumentError(
+            f"{num_pages} pages split at --swa-full-tokens-ratio {swa_full_tokens_ratio} leave "
+            f"{full_pages} full and {swa_pages} SWA pages: need at least one of each"
+        )
+    return full_pages, swa_pages
+
+
+def hybrid_layout(
+    layout: PoolLayout,
+    layer_types: tuple[str, ...] | list[str],
+    sliding_window: int,
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO,
+) -> PoolLayout:
+    """``layout`` (every layer full, ``num_pages`` of them: the byte budget) as a hybrid
+    model's two pools in the same bytes (:func:`split_hybrid_pages`). Layer types with no
+    sliding layer give ``layout`` back unchanged."""
+    if layout.is_hybrid:
+        raise InvalidArgumentError("hybrid_layout needs a layout sized as every layer full")
+    if SLIDING_ATTENTION not in layer_types:
+        if sliding_window:
+            raise InvalidArgumentError(
+                f"sliding_window {sliding_window} given, but no layer is sliding_attention"
+            )
+        return replace(layout, layer_types=tuple(layer_types))
+    swa_layers = sum(1 for t in layer_types if t == SLIDING_ATTENTION)
+    full_pages, swa_pages = split_hybrid_pages(
+        layout.num_pages,
+        layout.page_size,
+        len(layer_types) - swa_layers,
+        swa_layers,
+        swa_full_tokens_ratio,
+    )
+    return replace(
+        layout,
+        layer_types=tuple(layer_types),
+        sliding_window=sliding_window,
+        num_pages=full_pages,
+        swa_num_pages=swa_pages,
+    )

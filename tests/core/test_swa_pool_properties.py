@@ -38,10 +38,12 @@ def prefix_value(tokens: list[int], pos: int, salt: int) -> float:
     return float(zlib.crc32(data) % 65521)
 
 
-def hybrid_pool(page_size: int, window: int, swa_pages: int, radix: bool) -> KVPool:
+def hybrid_pool(
+    page_size: int, window: int, swa_pages: int, radix: bool, layer_types=(S, F, S)
+) -> KVPool:
     layout = PoolLayout(
         num_layers=3,
-        layer_types=(S, F, S),
+        layer_types=layer_types,
         sliding_window=window,
         swa_num_pages=swa_pages,
         num_kv_heads=1,
@@ -63,9 +65,13 @@ class SWAPoolMachine(RuleBasedStateMachine):
         window=st.integers(1, 12),
         swa_tokens=st.sampled_from([24, 48, 96]),
         radix=st.booleans(),
+        pure_swa=st.booleans(),  # every layer windowed: the full pool has no bytes
     )
-    def setup(self, page_size: int, window: int, swa_tokens: int, radix: bool) -> None:
-        self.pool = hybrid_pool(page_size, window, swa_tokens // page_size, radix)
+    def setup(
+        self, page_size: int, window: int, swa_tokens: int, radix: bool, pure_swa: bool
+    ) -> None:
+        layer_types = (S, S, S) if pure_swa else (S, F, S)
+        self.pool = hybrid_pool(page_size, window, swa_tokens // page_size, radix, layer_types)
         self.window = window
         self.seqs: dict[str, list[int]] = {}
         self.counter = 0
@@ -100,8 +106,9 @@ class SWAPoolMachine(RuleBasedStateMachine):
         req = pool.request(rid)
         slots = pool.slots(rid)
         seq = self.seqs[rid]
-        full = pool.buffers.kv[slots // ps, 0, 0, slots % ps, 0, 0]
-        assert full.tolist() == [prefix_value(seq, p, 0) for p in range(req.kv_len)]
+        if pool.layout.num_full_layers:
+            full = pool.buffers.kv[slots // ps, 0, 0, slots % ps, 0, 0]
+            assert full.tolist() == [prefix_value(seq, p, 0) for p in range(req.kv_len)]
         # the worker's reads: queries from the latest allocation's start on
         start = int(pool.swa.alloc_starts[req.row])
         first = max(0, start - self.window + 1)

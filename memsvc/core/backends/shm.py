@@ -112,9 +112,7 @@ class ShmBuffers(KVBuffers):
             self.full_to_swa_page_name = f"{stem}-f2s"
             names += [self.swa_kv_name, self.full_to_swa_page_name]
         # Registered before creating anything, so a failure half-way still unlinks.
-        self._finalizer = weakref.finalize(
-            self, _unlink_quietly, [_segment_path(n) for n in names]
-        )
+        self._finalizer = weakref.finalize(self, _unlink_quietly, [_segment_path(n) for n in names])
         self._kv_map = _map_segment(self.kv_name, layout.kv_bytes, create=True)
         self._r2t_map = _map_segment(self.req_to_token_name, layout.req_to_token_bytes, create=True)
         self.kv = _view(self._kv_map, layout.storage_dtype, layout.kv_shape)
