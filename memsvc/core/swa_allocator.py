@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memsvc.core.allocator import OWNER_ANY, SLOT_DTYPE, PageAllocator
+from memsvc.core.allocator import OWNER_ANY, OWNER_TREE, SLOT_DTYPE, PageAllocator
 from memsvc.core.errors import InvalidArgumentError
 
 
@@ -50,6 +50,9 @@ class SWAPageAllocator(PageAllocator):
             )
         self.full_to_swa_page = full_to_swa_page
         self.full_to_swa_page[:] = 0
+        # SWA pages the radix tree owns, kept as a count: every memsvc reply reports the
+        # tree's SWA sizes (the integrity check recounts the owner tags)
+        self.num_tree_swa_pages = 0
 
     # -- sizes (tokens) ------------------------------------------------------------
 
@@ -84,6 +87,8 @@ class SWAPageAllocator(PageAllocator):
         swa_pages = self.swa.alloc_pages(num_pages, owner)
         assert swa_pages is not None  # checked above; the SWA pool has no pending pages
         self.full_to_swa_page[pages] = swa_pages
+        owners = np.broadcast_to(np.asarray(owner), (num_pages,))
+        self.num_tree_swa_pages += int(np.count_nonzero(owners == OWNER_TREE))
         return pages
 
     def free_pages(self, pages: np.ndarray, owner: int | None = None) -> None:
@@ -106,7 +111,10 @@ class SWAPageAllocator(PageAllocator):
         swa_pages = self.full_to_swa_page[pages]
         held = swa_pages != 0
         if held.any():
-            self.swa.free_pages(swa_pages[held])
+            swa_pages = swa_pages[held]
+            in_tree = int(np.count_nonzero(self.swa.owners()[swa_pages] == OWNER_TREE))
+            self.swa.free_pages(swa_pages)
+            self.num_tree_swa_pages -= in_tree
             self.full_to_swa_page[pages[held]] = 0
         return int(np.count_nonzero(held))
 
@@ -114,9 +122,15 @@ class SWAPageAllocator(PageAllocator):
         pages = np.asarray(pages, dtype=SLOT_DTYPE)
         super().set_owner(pages, owner, expected=expected)
         swa_pages = self.full_to_swa_page[pages]
-        swa_pages = swa_pages[swa_pages != 0]
-        if swa_pages.size:
-            self.swa.set_owner(swa_pages, owner, expected=expected)
+        self.set_swa_owner(swa_pages[swa_pages != 0], owner, expected=expected)
+
+    def set_swa_owner(self, swa_pages: np.ndarray, owner: int, *, expected: int) -> None:
+        """Hand SWA pages from ``expected`` to ``owner`` (their full pages stay put)."""
+        if not swa_pages.size:
+            return
+        self.swa.set_owner(swa_pages, owner, expected=expected)
+        moved = (owner == OWNER_TREE) - (expected == OWNER_TREE)
+        self.num_tree_swa_pages += moved * int(swa_pages.size)
 
     def swa_pages_of(self, pages: np.ndarray) -> np.ndarray:
         """The SWA page of each full page (0: none)."""

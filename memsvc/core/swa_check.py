@@ -77,7 +77,9 @@ def check_swa(pool: KVPool, problems: list[str], *, idle: bool) -> None:
     held = int((swa_owners[1:] > 0).sum()) * ps
     in_tree = int((swa_owners[1:] == OWNER_TREE).sum()) * ps
     total = pool.swa_available_size() + in_tree + held
-    if total != pool.swa_capacity or in_tree != tree.swa_total_size():
+    if in_tree != tree.swa_total_size():
+        problems.append(f"SWA: the tree's counter says {tree.swa_total_size()}, it holds {in_tree}")
+    if total != pool.swa_capacity:
         problems.append(
             f"SWA: available {pool.swa_available_size()} + tree {in_tree} + held {held} != "
             f"capacity {pool.swa_capacity}"

@@ -64,8 +64,7 @@ class SWARadixCache(RadixCache):
 
     def swa_total_size(self) -> int:
         """SWA tokens on tree pages (tombstones excluded). Changes nothing."""
-        owners = self.allocator.swa.owners()
-        return int(np.count_nonzero(owners == OWNER_TREE)) * self.page_size
+        return self.allocator.num_tree_swa_pages * self.page_size
 
     def swa_protected_size(self) -> int:
         """SWA tokens on tree pages pinned by running requests' windows. Changes nothing."""
@@ -120,11 +119,11 @@ class SWARadixCache(RadixCache):
         return prefix_len, node, values
 
     def _adopt_swa(self, tree_pages: np.ndarray, given_pages: np.ndarray) -> None:
-        f2s, swa = self.allocator.full_to_swa_page, self.allocator.swa
+        f2s = self.allocator.full_to_swa_page
         swa_pages = f2s[given_pages].astype(SLOT_DTYPE)
         owners = self.allocator.owners()[given_pages]
         for owner in np.unique(owners).tolist():
-            swa.set_owner(swa_pages[owners == owner], OWNER_TREE, expected=owner)
+            self.allocator.set_swa_owner(swa_pages[owners == owner], OWNER_TREE, expected=owner)
         f2s[tree_pages] = swa_pages
         f2s[given_pages] = 0
 

@@ -93,6 +93,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         for page, (owner, has_swa) in self.pages.items():
             assert owners[page] == owner
             assert bool(allocator.full_to_swa_page[page]) == has_swa
+        assert allocator.num_tree_swa_pages == sum(
+            has for owner, has in self.pages.values() if owner == OWNER_TREE
+        )
         assert_mapping(allocator)
 
 
