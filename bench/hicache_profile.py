@@ -5,7 +5,8 @@ Starts one radix-only stack and one hierarchy stack per ``--policies`` entry
 ``--rounds`` times, the order rotating, one stack at a time: ``--conversations``
 chats of ``--turns`` turns sharing a ``--system-len``-token system prompt,
 ``--user-len`` new tokens per turn, ``--in-flight`` chats at a time, streaming,
-greedy ``--output-len``-token replies (``bench/hicache_workload``'s ``chat`` kind).
+greedy ``--output-len``-token replies (``bench/hicache_workload``'s ``chat`` kind, or
+``--kind``, e.g. ``unique``, the no-reuse control, with ``--system-len 0``).
 
 Per stack it reports TTFT p50 / p99, requests per second, and what the run cost
 where: CPU seconds of each service's process and of memsvc's threads (the copy
@@ -92,6 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="smollm2")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kind", default="chat", choices=sorted(KINDS), help="hicache_workload's workload kind"
+    )
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-len", type=int, default=120)
@@ -105,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = resolve_model_path(args.model_path)
     spec = sized(
-        KINDS["chat"],
+        KINDS[args.kind],
         conversations=args.conversations,
         turns=args.turns,
         system_len=args.system_len,

@@ -5,14 +5,17 @@ pool) serves every cell on two real stacks, whose pools the bench checks
 (memsvc's integrity check, idle) before it stops them; the tests read the last
 stdout line's JSON: its shape, that the hierarchy and radix-only replied token
 for token alike, that the figures add up (every prompt token a hit or
-computed) and that the no-reuse control hit nothing. How many tokens hit
-depends on how requests happen to batch (two first turns in one batch both
-compute the shared prompt), so no test compares the stacks' hit counts;
-wall-clock figures are the benchmark's business, not a test's.
+computed), that the no-reuse control hit nothing, and that on a roomy pool
+(nothing evicted) both stacks computed the same prompt tokens: a round's first
+chat opens it alone, so the others' first turns always hit the shared prompt
+(sent together, how they batched decided whether each computed it). How many
+tokens hit on a tight pool is each cache's business; wall-clock figures are the
+benchmark's, not a test's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import io
@@ -110,6 +113,9 @@ def test_both_stacks_replied_alike_and_the_figures_add_up(quick: dict[str, Any])
             # every prompt token was a hit or computed (more where a retraction recomputed)
             assert figures["prefill_tokens"] >= figures["prompt_tokens"] - figures["cached_tokens"]
         assert cell["radix"]["hit_tokens"]["host"] == cell["radix"]["hit_tokens"]["storage"] == 0
+        if cell["working_set_over_pool"] < 1:  # roomy: both trees keep everything
+            assert cell["hicache"]["prefill_tokens"] == cell["radix"]["prefill_tokens"]
+            assert cell["hicache"]["cached_tokens"] == cell["radix"]["cached_tokens"]
 
 
 def test_the_control_shares_nothing(quick: dict[str, Any]) -> None:
@@ -134,3 +140,53 @@ def test_differing_replies_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None
     with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exited:
         bench.main(["--quick"])
     assert exited.value.code == 1
+
+
+class FakeClient:
+    """Streams one token then the result per request, and logs when each was sent and
+    when its first token came out."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    async def info(self) -> dict[str, Any]:
+        return {"stats": {}}
+
+    async def stream(self, prompt: list[int], *, rid: str, sampling: dict[str, Any]) -> Any:
+        from scheduler_svc.generation import Chunk, GenerateResult
+
+        self.log.append(("sent", rid))
+        for _ in range(3):  # let every other task that can run, run
+            await asyncio.sleep(0)
+        self.log.append(("first", rid))
+        yield Chunk(rid, [7], 0)
+        yield GenerateResult(rid, [7], None, {"finish_reason": {"type": "length"}})
+
+
+def serve_one_round(system_len: int) -> list[tuple[str, str]]:
+    from types import SimpleNamespace
+
+    bench = load_bench()
+    workload = SimpleNamespace(
+        spec=SimpleNamespace(in_flight=3, system_len=system_len, output_len=1), end_of_turn=[2]
+    )
+    chats = [bench.Chat(f"c{i}", [[10 + i], [20 + i]], [1, 1, 1]) for i in range(4)]
+    client = FakeClient()
+    asyncio.run(bench.serve_round(client, chats, workload))
+    assert all(len(c.turns) == 2 for c in chats)
+    return client.log
+
+
+def test_with_a_shared_prefix_the_first_chat_opens_the_round_alone() -> None:
+    # Sent together, the first turns could land in one prefill batch and each compute
+    # the shared prefix, or not, by chance: the others wait for the first's first token.
+    log = serve_one_round(system_len=8)
+    leader_first = log.index(("first", "c0-t0"))
+    others = [log.index(("sent", f"c{i}-t0")) for i in range(1, 4)]
+    assert log[0] == ("sent", "c0-t0")
+    assert all(sent > leader_first for sent in others)
+
+
+def test_without_a_shared_prefix_the_chats_start_together() -> None:
+    log = serve_one_round(system_len=0)
+    assert log[:3] == [("sent", f"c{i}-t0") for i in range(3)]  # in_flight of them at once
