@@ -183,6 +183,15 @@ class ExtendSeq:
     context_rows: torch.Tensor
     mask: torch.Tensor | None  # [num_new, context] True = attend; None = plain causal
     context_start: int = 0  # > 0 for a sliding window: the first position any query sees
+    # W of a sliding layer whose queries are attended in blocks (mask None then): set
+    # only where there are more new tokens than one block
+    blocked_window: int | None = None
+
+
+# A sliding layer's queries go by blocks of max(WINDOW_BLOCK, W): a block reads its own
+# keys and the W - 1 before it, so a long prefill's attention costs ~ n * 2 * block, not
+# n * n (nor an n x n mask).
+WINDOW_BLOCK = 256
 
 
 class ExtendAttention:
@@ -197,6 +206,8 @@ class ExtendAttention:
     what was just written), with the plain causal kernel; one with a prefix
     reads its whole context back from the pool, under a causal mask shifted
     by ``prefix_len``. Requests run one at a time (their lengths differ).
+    A sliding layer's context starts at the first query's window
+    (``context_start``), and its queries run in blocks when there are many.
     """
 
     def __init__(self, pool: PoolRows, seqs: Sequence[ExtendSeq]) -> None:
@@ -222,18 +233,15 @@ class ExtendAttention:
             raise ModelLayoutError("an extend context must hold every new token")
         if window is not None and context_start > max(0, prefix_len - window + 1):
             raise ModelLayoutError("an extend context misses keys in its first query's window")
+        num_new = end - prefix_len
+        rows = pool.slot_rows(context_slots)
+        if window is not None and num_new > max(WINDOW_BLOCK, window):
+            return ExtendSeq(prefix_len, num_new, rows, None, context_start, window)
         # Query i (position prefix_len + i) sees keys max(0, prefix_len + i - W + 1)..prefix_len + i
         mask = attention_mask(
-            prefix_len,
-            end - prefix_len,
-            context_start,
-            end - context_start,
-            window,
-            context_slots.device,
+            prefix_len, num_new, context_start, end - context_start, window, context_slots.device
         )
-        return ExtendSeq(
-            prefix_len, end - prefix_len, pool.slot_rows(context_slots), mask, context_start
-        )
+        return ExtendSeq(prefix_len, num_new, rows, mask, context_start)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -251,17 +259,50 @@ class ExtendAttention:
                 keys, values = keys.view(shape), values.view(shape)
             else:
                 keys, values = k[start:end], v[start:end]
-            out = F.scaled_dot_product_attention(
-                q[None, start:end].transpose(1, 2),
-                keys[None].transpose(1, 2),
-                values[None].transpose(1, 2),
-                attn_mask=None if seq.mask is None else seq.mask[None, None],
-                is_causal=seq.mask is None,
-                enable_gqa=True,
-            )
-            outs.append(out[0].transpose(0, 1).flatten(1))
+            if seq.blocked_window is None:
+                outs.append(_attend(q[start:end], keys, values, seq.mask))
+            else:
+                outs.append(_attend_by_blocks(seq, q[start:end], keys, values))
             start = end
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``q [n, heads, dim]`` over ``keys, values [L, kv_heads, dim]`` -> ``[n, heads * dim]``;
+    ``mask [n, L]`` True = attend, None = plain causal."""
+    out = F.scaled_dot_product_attention(
+        q[None].transpose(1, 2),
+        keys[None].transpose(1, 2),
+        values[None].transpose(1, 2),
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).flatten(1)
+
+
+def _attend_by_blocks(
+    seq: ExtendSeq, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """A sliding layer's queries in blocks, each over the keys its window reaches::
+
+    keys (positions context_start..):  | ... | W - 1 before the block | the block's own |
+    queries:                                                         | a ........ b - 1 |
+    """
+    window = seq.blocked_window
+    assert window is not None
+    block = max(WINDOW_BLOCK, window)
+    outs = []
+    for a in range(0, seq.num_new, block):
+        b = min(seq.num_new, a + block)
+        first_query = seq.prefix_len + a
+        lo = max(0, first_query - window + 1 - seq.context_start)  # key index of a position
+        hi = seq.prefix_len + b - seq.context_start
+        mask = attention_mask(first_query, b - a, seq.context_start + lo, hi - lo, window, q.device)
+        outs.append(_attend(q[a:b], keys[lo:hi], values[lo:hi], mask))
+    return torch.cat(outs)
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

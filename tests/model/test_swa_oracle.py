@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_svc import paged_attention
 from model_svc.checkpoint import load_state_dict
 from model_svc.config import ModelConfig
 from model_svc.errors import InvalidBatchError, ModelLayoutError
@@ -139,6 +140,30 @@ def test_prefix_cached_extend_matches_transformers(
     assert got == hf_greedy(hf_swa_models[kind], second, NUM_NEW)
     bp.finish("b", second, got)
     bp.pool.check_integrity(idle=True)
+
+
+@pytest.mark.parametrize("chunk", [None, 45])
+@pytest.mark.parametrize(("kind", "layout"), KIND_LAYOUTS)
+def test_prefill_by_query_blocks_matches_transformers(
+    swa_bound_pool, expected, monkeypatch, kind: str, layout: str, chunk: int | None
+) -> None:
+    """Blocks of W queries (the smallest block there is): 100 tokens in 4 blocks; chunks of
+    45 go by blocks with and without a prefix."""
+    monkeypatch.setattr(paged_attention, "WINDOW_BLOCK", 1)
+    blocked = []
+    by_blocks = paged_attention._attend_by_blocks
+
+    def spy(seq, *args):
+        blocked.append((seq.prefix_len, seq.num_new))
+        return by_blocks(seq, *args)
+
+    monkeypatch.setattr(paged_attention, "_attend_by_blocks", spy)
+    bp = swa_bound_pool(kind, 4, layout)
+    prompts = {rid: PROMPTS[rid] for rid in ("long", "mid")}
+    outputs = bp.generate(prompts, NUM_NEW, chunk_size=chunk)
+    assert outputs == {rid: expected[kind][rid] for rid in prompts}
+    assert {(0, 100), (0, 70)} <= set(blocked) if chunk is None else (45, 45) in set(blocked)
+    finish(bp, prompts)
 
 
 def windowed_variant(model: LlamaModel, path, window: int | None) -> LlamaModel:
