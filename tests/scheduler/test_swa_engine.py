@@ -14,9 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from memsvc.handlers import MemService
+from memsvc.core import KVPool
+from memsvc.handlers import MemService, ServiceConfig
 from scheduler_svc.core.swa_budget import SwaSizes, SwaSpec
-from tests.helpers import pool_service
+from scheduler_svc.engine import prefill_round
+from tests.helpers import pool_service, small_layout
 from tests.scheduler.engine_harness import expected_output
 from tests.scheduler.test_engine import Harness
 
@@ -114,3 +116,61 @@ def test_with_nothing_running_a_chunk_is_not_parked(service) -> None:
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_on_a_hybrid_pool_every_request_finishes_exactly(monkeypatch, chunk) -> None:
+    """memsvc's own two pools (W = 8, 20 SWA pages against 64 full ones): the SWA gate keeps
+    admission within what memsvc can allocate (no allocation of an admitted batch fails,
+    as it does when only the full pool is budgeted) and every output is exact.
+
+    The SWA numbers are read off the pool as memsvc's replies carry them
+    (``full_available``, ``swa_available``, ``swa_evictable``)."""
+    from scheduler_svc.core.swa_budget import check_swa_fits, swa_spec_of
+
+    layout = small_layout(
+        page_size=PAGE,
+        layer_types=("full_attention", "sliding_attention"),
+        sliding_window=8,
+        swa_num_pages=20,
+    )
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    service = MemService(pool, ServiceConfig(retract_decode_steps=20))
+    spec = swa_spec_of(layout)
+    monkeypatch.setattr(prefill_round, "full_available_of", lambda s: pool.full_available_size())
+
+    async def scenario() -> None:
+        h = await Harness(service, chunked_prefill_size=chunk).start()
+        h.engine.swa_budget_inputs = lambda sizes: (
+            spec,
+            SwaSizes(pool.swa_available_size(), pool.swa_evictable_size()),
+        )
+        failed = []
+        alloc_extend = h.mem.alloc_extend
+
+        async def counted(*args, **kwargs):
+            result = await alloc_extend(*args, **kwargs)
+            failed.extend([] if result.fits else [args[0]])
+            return result
+
+        h.mem.alloc_extend = counted
+        prompts = {}
+        for i in range(8):
+            prompt = [i + 2] * (6 + 2 * i)
+            check_swa_fits(len(prompt), spec, mode="normal", chunked_prefill_size=chunk)
+            prompts[f"r{i}"] = prompt
+            h.submit(f"r{i}", prompt, 10)
+        await h.engine.step()
+        # the full pool alone takes all 8 in the first round (Σ ceil_page(prompt) + page + 10
+        # = 232 < 256); the SWA gate 5: reservations 12 + 12 + 16 + 16 + 20 = 76, + 20 >= 80
+        assert len(h.engine.running) + (h.engine.chunked is not None) <= 5
+        await h.run()
+        assert failed == []
+        for rid, prompt in prompts.items():
+            assert h.done[rid].output_ids == expected_output(prompt, 10), rid
+        pool.check_integrity(idle=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
