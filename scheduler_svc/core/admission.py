@@ -41,7 +41,8 @@ state is NO_TOKEN also when ``remaining_swa`` is gone; a request must pass the
 SWA check too, which may lower its chunk limit (D30); and the in-progress
 chunk is parked for the round (not admitted, nothing charged) when the SWA
 budget leaves it nothing (D32) and requests are running (whose decoding frees
-SWA pages; with none, parking would wait forever: docs/sglang-differences.md). A pure-SWA model bases ``A`` on the SWA pool.
+SWA pages; with none, parking would wait forever: docs/sglang-differences.md).
+A pure-SWA model bases ``A`` on the SWA pool.
 """
 
 from __future__ import annotations
