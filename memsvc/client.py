@@ -176,9 +176,21 @@ class ClientSession:
                 "is empty and this session is gone; reconnect and treat held KV as lost",
                 epoch,
             )
-        self.sizes = PoolSizes(
-            header["available"], header["evictable"], header["protected"], header["host_free"]
-        )
+        if "swa_available" in header:  # a hybrid pool: both pools' sizes
+            self.sizes = PoolSizes(
+                header["available"],
+                header["evictable"],
+                header["protected"],
+                header["host_free"],
+                header["full_available"],
+                header["swa_available"],
+                header["swa_evictable"],
+                header["swa_protected"],
+            )
+        else:
+            self.sizes = PoolSizes(
+                header["available"], header["evictable"], header["protected"], header["host_free"]
+            )
         if not header.get("ok"):
             code, message = header.get("code", "internal"), header.get("message", "")
             cls = _ERRORS_BY_CODE.get(code)

@@ -24,8 +24,8 @@ other failure closes every candidate the message opened and is the reply.
 
 A hybrid (sliding-window) model's pool adds, besides the reply's per-pool
 sizes (``full_available``, ``swa_available``, ``swa_evictable``,
-``swa_protected``), ``before_swa`` (swa_available, swa_evictable,
-swa_protected before the first candidate) and the array ``swa_pinned``: per
+``swa_protected``), ``before_swa`` (those four before the first candidate)
+and the array ``swa_pinned``: per
 candidate, what its match took from the SWA evictable size (the SWA tail of
 its prefix, now held for it).
 """
@@ -109,11 +109,8 @@ class BatchHandlers:
         opened: list[str] = []
         matches: list[tuple[int, ...]] = []
         hybrid = pool.swa is not None
-        before_swa = (
-            [sizes["swa_available"], sizes["swa_evictable"], sizes["swa_protected"]]
-            if hybrid
-            else None
-        )
+        swa_keys = ("full_available", "swa_available", "swa_evictable", "swa_protected")
+        before_swa = [sizes[key] for key in swa_keys] if hybrid else None
         swa_pinned: list[int] = []
         out_of_rows = False
         try:

@@ -20,10 +20,15 @@ from memsvc import protocol as p
 class PoolSizes(NamedTuple):
     """The pool's sizes as of the last reply (every reply carries them; built on each)."""
 
-    available: int
+    available: int  # what an allocation can have: a hybrid pool's min(full, swa)
     evictable: int
     protected: int
     host_free: int = 0  # bytes the host store can still take
+    # a hybrid (sliding-window) pool's, pool by pool; None without one
+    full_available: int | None = None
+    swa_available: int | None = None
+    swa_evictable: int | None = None
+    swa_protected: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class AdmitMatch(NamedTuple):
     storage_hit: int
     load_pending: bool
     pinned: int
+    swa_pinned: int = 0  # a hybrid pool: what the match took from the SWA evictable size
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,19 @@ def _nothing(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
     return None
 
 
+_ADMIT_COLUMNS = 7  # the wire's matches table: AdmitMatch's fields up to pinned
+
+
 def _admit_result(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> AdmitResult:
-    table = arrays["matches"].reshape(-1, len(AdmitMatch._fields)).tolist()
+    table = arrays["matches"].reshape(-1, _ADMIT_COLUMNS).tolist()
     matches = [
         AdmitMatch(r, n, d, h, s, bool(pending), pin) for r, n, d, h, s, pending, pin in table
     ]
     before = PoolSizes(*header["before"])
+    if "swa_pinned" in arrays:  # a hybrid pool
+        swa_pinned = arrays["swa_pinned"].tolist()
+        matches = [m._replace(swa_pinned=n) for m, n in zip(matches, swa_pinned, strict=True)]
+        before = PoolSizes(*header["before"], *header["before_swa"])
     return AdmitResult(matches, bool(header["out_of_rows"]), before, header.get("not_owner"))
 
 

@@ -71,7 +71,7 @@ def test_replies_and_stats_carry_both_pools(service: MemService) -> None:
     got = reply["matches"].reshape(-1, len(ADMIT_COLUMNS))[:, ADMIT_COLUMNS.index("prefix_len")]
     # b's window needs the last page, held; c's match to 4 would need page 0's SWA: gone
     assert got.tolist() == [12, 0]
-    assert reply["before_swa"] == [28, 4, 0]
+    assert reply["before_swa"] == [64 - 12, 28, 4, 0]
     assert reply["swa_pinned"].tolist() == [4, 0]
     assert reply["swa_protected"] == 4
     c.ok("free_row", rid="b")
