@@ -253,7 +253,7 @@ def check_layer_types(config: ModelConfig, layout: Any) -> None:
 
     A one-pool layout fits any model: its sliding layers are masked to their window
     in the one pool."""
-    if not getattr(layout, "is_hybrid", False):
+    if not layout.is_hybrid:
         return
     if tuple(layout.layer_types) != config.layer_types or layout.sliding_window != (
         config.sliding_window
