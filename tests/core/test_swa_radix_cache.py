@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from memsvc.core import KVPool, PoolLayout
+from memsvc.core.errors import InvalidArgumentError
 
 F, S = "full_attention", "sliding_attention"
 PS, W = 4, 8
@@ -158,5 +160,22 @@ def test_decode_frees_the_pages_that_left_every_window() -> None:
         # (the first step after the extend keeps the extend's whole window)
         assert held == [0, 12, 12, 12, 16, 16, 16, 16, 20, 20]
         assert pool.swa_available_size() == 64 - 32 + 20
+        pool.release("a", is_insert=False)
+        pool.check_integrity(idle=True)
+
+
+def test_retract_by_recompute_frees_both_pools_and_refuses_the_host_store() -> None:
+    with pool_of(num_pages=8, swa_num_pages=4) as pool:
+        rows = []
+        for rid in ("a", "b"):
+            rows.append(pool.open_request(rid))
+            pool.alloc_extend([(rid, 8)])  # the SWA pool is full
+        assert pool.swa_available_size() == 0
+        with pytest.raises(InvalidArgumentError, match="SWA"):
+            pool.retract(rows, offload=True, retract_decode_steps=0)
+        assert pool.open_rids() == ["a", "b"]  # nothing changed
+        result = pool.retract(rows, offload=False, retract_decode_steps=0)
+        assert result.retracted == ["b"] and not result.last_does_not_fit
+        assert pool.swa_available_size() == 8 and pool.full_available_size() == 24
         pool.release("a", is_insert=False)
         pool.check_integrity(idle=True)
