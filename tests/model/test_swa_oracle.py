@@ -44,11 +44,7 @@ PROMPTS = {"long": prompt(100, 1), "mid": prompt(70, 2), "edge": prompt(WINDOW +
 PROMPTS["short"] = prompt(5, 4)
 # The one pool; the two-pool layout on buffers the test keeps; memsvc's hybrid pool.
 LAYOUTS = ("one_pool", "emulated", "memsvc")
-# memsvc cannot hold a pure-SWA model yet (its host store divides by the full pool's page
-# bytes, 0 when no layer is full): the pure model runs in the two other layouts.
-KIND_LAYOUTS = [
-    (kind, layout) for kind in KINDS for layout in LAYOUTS if (kind, layout) != ("pure", "memsvc")
-]
+KIND_LAYOUTS = [(kind, layout) for kind in KINDS for layout in LAYOUTS]
 
 
 @pytest.fixture(scope="module")

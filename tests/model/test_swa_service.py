@@ -10,7 +10,7 @@ from memsvc import protocol as wire
 from model_svc.client import _Ops, _result
 from model_svc.errors import ModelLayoutError
 from model_svc.handlers import AttachedPool, ModelService
-from tests.model.swa_oracle import FULL, SLIDING, WINDOW, hf_greedy, prompt
+from tests.model.swa_oracle import FULL, KINDS, SLIDING, WINDOW, hf_greedy, prompt
 
 NUM_NEW = 40
 
@@ -25,7 +25,7 @@ class InProcess(_Ops):
         return _result(wire.unpack(self.service.handle(wire.pack({**header, "op_id": 1}, arrays))))
 
 
-@pytest.mark.parametrize("kind", ["hybrid"])  # memsvc cannot hold a pure-SWA model yet
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_service_runs_memsvc_two_pools(swa_bound_pool, hf_swa_models, kind: str) -> None:
     bp = swa_bound_pool(kind, 16, "memsvc")
     client = InProcess(ModelService(bp.model, lambda: AttachedPool("epoch", bp.attached)))
