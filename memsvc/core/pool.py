@@ -350,7 +350,8 @@ class KVPool(HostStoreOps):
         starts = []
         for (rid, num_tokens), num_pages in zip(items, per_request, strict=True):
             req = self._reqs[rid]
-            starts.append((req.row, req.kv_len))
+            if num_tokens:  # (no positions: no batch the window must cover)
+                starts.append((req.row, req.kv_len))
             pages = self.allocator.alloc_pages(num_pages, owner=req.row)
             last_slot = int(self.table.array[req.row, req.kv_len - 1]) if req.kv_len else 0
             slots = extend_slots(pages, self.page_size, req.kv_len, num_tokens, last_slot)

@@ -13,12 +13,15 @@ grows (SGLang's ``swa_evicted_seqlen``, page aligned)::
 
 With the overlap schedule memsvc allocates batch ``n + 1`` while batch ``n``
 runs, so the frontier follows the *previous* allocation of the row, the
-oldest that may still be running: after an allocation starting at ``s`` the
-frontier is ``floor_page(max(0, s_prev + 1 - W))``, ``s_prev`` the start of
-the allocation before it. In a decode run that is ``floor_page(L - 1 - W)`` for
-``L = kv_len``: what SGLang's ``_evict_swa(req, seqlen - 1)`` keeps with its
-page margin dropped. The first decode step after an extend keeps the whole
-extend's window (SGLang skips that step's eviction for the same reason).
+oldest that may still be running, whose first query ``s_prev`` reads from
+``s_prev - W + 1`` on: after each allocation the frontier is
+``floor_page(max(0, s_prev - W))``, one position more than that query needs, so
+that a decode slot reserved ahead and handed back unwritten (whose
+re-allocation starts where it did) leaves the step before it covered too. In
+a decode run that is ``floor_page(L - 2 - W)`` for ``L = kv_len``, SGLang's
+``_evict_swa(req, seqlen - 1)`` without its page margin, less one position.
+The first decode step after an extend keeps the whole extend's window (SGLang
+skips that step's eviction for the same reason).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ class SWAWindows:
         self._pinned: dict[int, np.ndarray] = {}  # row -> the tree pages it pins
 
     def frontier(self, starts: np.ndarray) -> np.ndarray:
-        """``floor_page(max(0, start + 1 - W))`` for each allocation start."""
-        front = np.maximum(starts + 1 - self.sliding_window, 0)
+        """``floor_page(max(0, start - W))`` for each allocation start."""
+        front = np.maximum(starts - self.sliding_window, 0)
         return front - front % self.page_size
 
     # -- a request's life ------------------------------------------------------------

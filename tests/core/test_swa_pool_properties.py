@@ -5,7 +5,11 @@ Each position's full KV and SWA KV are written as values derived from the token 
 up to it (different for the two pools), so a page shared, evicted or tombstoned wrongly
 shows up as a wrong value. The worker's view is checked after every step: for each open
 request, every position a query still to run may read (from ``start - W + 1`` on, for
-the latest allocation's ``start``) maps to a live SWA page holding that position's value.
+the ``start`` of its two latest allocations: under the overlap schedule the one before
+the latest may still be running; before any, its matched prefix's tail) maps to a live
+SWA page holding that position's value. A decode slot reserved ahead may be handed back
+unwritten (a publish of one token fewer): the step re-taking it must leave the one
+before covered too.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class SWAPoolMachine(RuleBasedStateMachine):
         self.pool = hybrid_pool(page_size, window, swa_tokens // page_size, radix, layer_types)
         self.window = window
         self.seqs: dict[str, list[int]] = {}
+        self.starts: dict[str, list[int]] = {}  # rid -> its allocations' starts, in order
+        self.reserved: set[str] = set()  # rids whose last allocation was one decode step
         self.counter = 0
 
     def teardown(self) -> None:
@@ -109,9 +115,9 @@ class SWAPoolMachine(RuleBasedStateMachine):
         if pool.layout.num_full_layers:
             full = pool.buffers.kv[slots // ps, 0, 0, slots % ps, 0, 0]
             assert full.tolist() == [prefix_value(seq, p, 0) for p in range(req.kv_len)]
-        # the worker's reads: queries from the latest allocation's start on
-        start = int(pool.swa.alloc_starts[req.row])
-        first = max(0, start - self.window + 1)
+        # the worker's reads: queries of the two latest allocations (or the first extend)
+        starts = self.starts[rid][-2:] or [req.protected_len]
+        first = max(0, min(starts) - self.window + 1)
         for pos in range(first, req.kv_len):
             swa_page = int(pool.buffers.full_to_swa_page[slots[pos] // ps])
             assert swa_page, f"{rid}: position {pos} in the window has no SWA page"
@@ -139,6 +145,7 @@ class SWAPoolMachine(RuleBasedStateMachine):
         rid = f"r{self.counter}"
         self.seqs[rid] = BASE_PROMPTS[base][:cut] + suffix + list(range(200, 260))
         self.pool.open_request(rid)
+        self.starts[rid] = []
         prompt_len = cut + len(suffix)
         hit = self.pool.match_prefix(rid, self.seqs[rid][: prompt_len - 1])
         assert hit % self.pool.page_size == 0 and hit <= prompt_len - 1
@@ -154,7 +161,9 @@ class SWAPoolMachine(RuleBasedStateMachine):
         full_budget, swa_budget = self.budgets()
         slots = self.pool.alloc_extend([(rid, num_tokens)])
         assert (slots is not None) == (needed <= min(full_budget, swa_budget))
-        if slots is not None:
+        if slots is not None and num_tokens:
+            self.starts[rid].append(start)
+            self.reserved.discard(rid)
             self.write_kv(rid, start, slots)
 
     @rule(data=st.data())
@@ -171,12 +180,25 @@ class SWAPoolMachine(RuleBasedStateMachine):
         assert (slots is not None) == fits
         if slots is not None:
             for rid, start, slot in zip(batch, starts, slots, strict=True):
+                self.starts[rid].append(start)
+                self.reserved.add(rid)
                 self.write_kv(rid, start, np.array([slot]))
 
     @rule(rid=open_rids)
     def cache_unfinished(self, rid: str) -> None:
         kv_len = self.pool.request(rid).kv_len
         self.pool.cache_unfinished(rid, self.seqs[rid][:kv_len])
+
+    @rule(rid=open_rids)
+    def publish_handing_back_a_reserved_slot(self, rid: str) -> None:
+        """The overlap schedule reserved the next decode slot; the publish hands it back."""
+        req = self.pool.request(rid)
+        if rid not in self.reserved or req.kv_len - 1 < req.protected_len:
+            return  # the last allocation was not one decode step (reserved ahead)
+        self.pool.cache_unfinished(rid, self.seqs[rid][: req.kv_len - 1])
+        self.reserved.discard(rid)
+        # it never ran; the step before it may still be running, the ones before that not
+        self.starts[rid] = self.starts[rid][-2:-1]
 
     @rule(rid=consumes(open_rids), is_insert=st.booleans())
     def release(self, rid: str, is_insert: bool) -> None:
