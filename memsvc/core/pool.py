@@ -463,8 +463,11 @@ class KVPool(HostStoreOps):
         ``token_ids`` are the request's tokens whose KV is written (``kv_len`` of them).
         """
         req = self.request(rid)
+        kv_len = req.kv_len
         protected_len = self._prefixes.publish(req, token_ids)
         if self.swa is not None:
+            if req.kv_len < kv_len:  # its decode slot reserved ahead, handed back
+                self.swa.dropped(req.row)
             self.swa.published(req.row, protected_len)
         return protected_len
 

@@ -15,13 +15,13 @@ With the overlap schedule memsvc allocates batch ``n + 1`` while batch ``n``
 runs, so the frontier follows the *previous* allocation of the row, the
 oldest that may still be running, whose first query ``s_prev`` reads from
 ``s_prev - W + 1`` on: after each allocation the frontier is
-``floor_page(max(0, s_prev - W))``, one position more than that query needs, so
-that a decode slot reserved ahead and handed back unwritten (whose
-re-allocation starts where it did) leaves the step before it covered too. In
-a decode run that is ``floor_page(L - 2 - W)`` for ``L = kv_len``, SGLang's
-``_evict_swa(req, seqlen - 1)`` without its page margin, less one position.
-The first decode step after an extend keeps the whole extend's window (SGLang
-skips that step's eviction for the same reason).
+``floor_page(max(0, s_prev + 1 - W))``. In a decode run that is
+``floor_page(L - 1 - W)`` for ``L = kv_len``: SGLang's ``_evict_swa(req,
+seqlen - 1)`` without its page margin. The first decode step after an extend
+keeps the whole extend's window (SGLang skips that step's eviction for the
+same reason). A decode slot reserved ahead and handed back unwritten
+(:meth:`SWAWindows.dropped`) never ran: the previous allocation is again the
+one before it, which may still be running.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ class SWAWindows:
         self.page_size = allocator.page_size
         self.evicted_lens = np.zeros(table.num_rows, dtype=np.int64)  # swa_evicted_seqlen
         self.alloc_starts = np.zeros(table.num_rows, dtype=np.int64)
+        self.prev_starts = np.zeros(table.num_rows, dtype=np.int64)  # the one before
         self.protected_lens = np.zeros(table.num_rows, dtype=np.int64)
         self._pinned: dict[int, np.ndarray] = {}  # row -> the tree pages it pins
 
     def frontier(self, starts: np.ndarray) -> np.ndarray:
-        """``floor_page(max(0, start - W))`` for each allocation start."""
-        front = np.maximum(starts - self.sliding_window, 0)
+        """``floor_page(max(0, start + 1 - W))`` for each allocation start."""
+        front = np.maximum(starts + 1 - self.sliding_window, 0)
         return front - front % self.page_size
 
     # -- a request's life ------------------------------------------------------------
@@ -66,7 +67,7 @@ class SWAWindows:
         KV of its own: its window starts at the prefix's SWA tail."""
         self.close(row)
         self.evicted_lens[row] = swa_tail_start(protected_len, self.sliding_window, self.page_size)
-        self.alloc_starts[row] = protected_len
+        self.alloc_starts[row] = self.prev_starts[row] = protected_len
         self._set_protected(row, protected_len)
 
     def close(self, row: int) -> None:
@@ -74,7 +75,8 @@ class SWAWindows:
         pinned = self._pinned.pop(row, None)
         if pinned is not None:
             self.tree.unpin(pinned)
-        self.evicted_lens[row] = self.alloc_starts[row] = self.protected_lens[row] = 0
+        self.evicted_lens[row] = self.protected_lens[row] = 0
+        self.alloc_starts[row] = self.prev_starts[row] = 0
 
     def published(self, row: int, protected_len: int) -> None:
         """The request's KV up to ``protected_len`` went into the tree (it runs on it)."""
@@ -86,9 +88,15 @@ class SWAWindows:
         rows = np.asarray(rows, dtype=np.int64)
         starts = np.asarray(starts, dtype=np.int64)
         new = np.maximum(self.frontier(self.alloc_starts[rows]), self.evicted_lens[rows])
+        self.prev_starts[rows] = self.alloc_starts[rows]
         self.alloc_starts[rows] = starts
         for i in np.flatnonzero(new > self.evicted_lens[rows]).tolist():
             self._advance(int(rows[i]), int(new[i]))
+
+    def dropped(self, row: int) -> None:
+        """The row's latest allocation (a decode slot reserved ahead) was handed back
+        unwritten: it never ran, so the allocation before it is the latest again."""
+        self.alloc_starts[row] = self.prev_starts[row]
 
     # -- internals ---------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def test_a_worker_reads_the_swa_pool_through_the_full_to_swa_table(hybrid_memsvc
         for _ in range(3):
             assert mem.decode_step([row]).fits
         # kv_len 13; the last step started at 12, the one before at 11: freed up to
-        # floor_page(11 - 6) = 4, one SWA page back
+        # floor_page(11 + 1 - 6) = 4, one SWA page back
         assert mem.sizes.swa_available == 168 - 16 + 4
         worker = run_child(
             """

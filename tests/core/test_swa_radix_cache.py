@@ -156,9 +156,9 @@ def test_decode_frees_the_pages_that_left_every_window() -> None:
             held.append(int(pool.swa.evicted_lens[row]))
             pool.check_integrity()
         # step k allocates position 20 + k; the step before it (query 19 + k, maybe still
-        # running) reads from 19 + k - W + 1 on: freed up to floor_page(19 + k - W), one
-        # position to spare (the first step after the extend keeps the extend's window)
-        assert held == [0, 12, 12, 12, 12, 16, 16, 16, 16, 20]
+        # running) reads from 19 + k - W + 1 on: freed up to floor_page(20 + k - W)
+        # (the first step after the extend keeps the extend's whole window)
+        assert held == [0, 12, 12, 12, 16, 16, 16, 16, 20, 20]
         assert pool.swa_available_size() == 64 - 32 + 20
         pool.release("a", is_insert=False)
         pool.check_integrity(idle=True)
@@ -182,22 +182,22 @@ def test_retract_by_recompute_frees_both_pools_and_refuses_the_host_store() -> N
 
 
 def test_a_decode_slot_handed_back_unwritten_leaves_the_step_before_covered() -> None:
-    """Overlap schedule: step A (query 21) runs while step B's slot (22) is reserved; the
-    publish hands B's slot back unwritten, and the step re-taking position 22 must not free
-    what A, maybe still running, reads (positions from 21 - W + 1 = 14 on)."""
+    """Overlap schedule: step A (query 22) runs while step B's slot (23) is reserved; the
+    publish hands B's slot back unwritten, and the step re-taking position 23 must not free
+    what A, maybe still running, reads (positions from 22 - W + 1 = 15 on)."""
     with pool_of() as pool:
         pool.open_request("a")
-        pool.alloc_extend([("a", 21)])
+        pool.alloc_extend([("a", 22)])
         row = pool.request("a").row
-        pool.alloc_decode(["a"])  # A, position 21
-        pool.alloc_decode(["a"])  # B, position 22, reserved ahead
-        pool.cache_unfinished("a", np.arange(22))  # B's slot handed back
-        assert pool.request("a").kv_len == 22
-        pool.alloc_decode(["a"])  # position 22 again
-        # floor_page(21 - W) = 12, not floor_page(22 - W) = 16: A reads position 14
+        pool.alloc_decode(["a"])  # A, position 22
+        pool.alloc_decode(["a"])  # B, position 23, reserved ahead
+        pool.cache_unfinished("a", np.arange(23))  # B's slot handed back
+        assert pool.request("a").kv_len == 23
+        pool.alloc_decode(["a"])  # position 23 again
+        # A's frontier floor_page(22 + 1 - W) = 12, not B's floor_page(23 + 1 - W) = 16
         assert int(pool.swa.evicted_lens[row]) == 12
         slots = pool.slots("a")
-        assert pool.allocator.full_to_swa_page[slots[14:] // PS].all()
+        assert pool.allocator.full_to_swa_page[slots[15:] // PS].all()
         pool.check_integrity()
         pool.release("a", is_insert=False)
         pool.check_integrity(idle=True)
