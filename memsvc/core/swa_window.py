@@ -84,14 +84,31 @@ class SWAWindows:
 
     def allocated(self, rows: np.ndarray, starts: np.ndarray) -> None:
         """``rows`` were each given positions from ``starts`` on: free the SWA pages that
-        left every window still to run (see the module docstring)."""
+        left every window still to run (see the module docstring), in one free."""
         rows = np.asarray(rows, dtype=np.int64)
         starts = np.asarray(starts, dtype=np.int64)
         new = np.maximum(self.frontier(self.alloc_starts[rows]), self.evicted_lens[rows])
         self.prev_starts[rows] = self.alloc_starts[rows]
         self.alloc_starts[rows] = starts
-        for i in np.flatnonzero(new > self.evicted_lens[rows]).tolist():
-            self._advance(int(rows[i]), int(new[i]))
+        advancing = np.flatnonzero(new > self.evicted_lens[rows])
+        if not advancing.size:
+            return
+        ps, table = self.page_size, self.table.array
+        own_slots, repin = [], []
+        for i in advancing.tolist():
+            row, new_evicted = int(rows[i]), int(new[i])
+            old, protected = int(self.evicted_lens[row]), int(self.protected_lens[row])
+            own_from = max(old, protected)
+            if new_evicted > own_from:  # the request's own pages: their SWA pages go
+                own_slots.append(table[row, own_from:new_evicted:ps])
+            self.evicted_lens[row] = new_evicted
+            if old < protected:  # tree pages left the window: no longer pinned
+                repin.append(row)
+        if own_slots:
+            pages = np.concatenate(own_slots).astype(SLOT_DTYPE) // ps
+            self.allocator.free_swa_pages(pages)
+        for row in repin:
+            self._repin(row)
 
     def dropped(self, row: int) -> None:
         """The row's latest allocation (a decode slot reserved ahead) was handed back
@@ -99,17 +116,6 @@ class SWAWindows:
         self.alloc_starts[row] = self.prev_starts[row]
 
     # -- internals ---------------------------------------------------------------------
-
-    def _advance(self, row: int, new_evicted: int) -> None:
-        ps, old = self.page_size, int(self.evicted_lens[row])
-        protected = int(self.protected_lens[row])
-        own_from = max(old, protected)
-        if new_evicted > own_from:
-            slots = self.table.read(row, own_from, new_evicted)
-            self.allocator.free_swa_pages(slots[::ps] // ps)
-        self.evicted_lens[row] = new_evicted
-        if old < protected:
-            self._repin(row)
 
     def _set_protected(self, row: int, protected_len: int) -> None:
         self.protected_lens[row] = protected_len
