@@ -7,7 +7,8 @@ registry and converted on first use, :mod:`kvstack.model.fetch`). An existing
 folder wins over a name. ``--dtype``, ``--device``, ``--page-size`` and the pool's capacity
 become the flags of memsvc and model_svc, so that both agree
 (:func:`stack_model`); memsvc's layout comes from the checkpoint
-(:mod:`kvstack.stack.model_pool`).
+(:mod:`kvstack.stack.model_pool`), a sliding-window model's two pools included
+(``--disable-hybrid-swa-memory``: one pool for every layer, SGLang's flag).
 
 The pool's capacity comes from one of ``--max-total-tokens`` (rounded down to
 whole pages), ``--num-pages`` or, on a GPU, ``--mem-fraction-static`` of the
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.model import paths
+from kvstack.stack.model_pool import all_full_layer_types
 from memsvc.cli import DEFAULT_PAGE_SIZE
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -98,6 +100,13 @@ def add_model_arguments(
     )
     group.add_argument(
         "--page-size", type=int, default=DEFAULT_PAGE_SIZE, help="tokens per KV page"
+    )
+    group.add_argument(
+        "--disable-hybrid-swa-memory",
+        action="store_true",
+        help="a model with sliding-window layers: one KV pool for every layer, as if "
+        "each were full attention (the worker still masks each sliding layer to its "
+        "window), instead of a full pool and an SWA pool in the same bytes",
     )
     capacity = group.add_mutually_exclusive_group()
     capacity.add_argument(
@@ -180,6 +189,8 @@ def stack_model(
     num_pages = pool_pages(args, config, dtype, page_size, free_device_bytes)
     memsvc = ["--page-size", str(page_size), "--num-pages", str(num_pages), "--dtype", dtype]
     memsvc += ["--max-context-len", str(context_len(args, config))]
+    if getattr(args, "disable_hybrid_swa_memory", False) and config.sliding_layer_ids:
+        memsvc += all_full_layer_types(config.num_hidden_layers)
     model = ["--dtype", dtype, "--device", args.device]
     if args.device == "cuda":
         memsvc += ["--backend", "cuda"]
