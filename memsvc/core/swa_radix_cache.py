@@ -89,16 +89,14 @@ class SWARadixCache(RadixCache):
         """The longest page-aligned prefix of tree ``slots`` whose SWA tail has SWA pages."""
         ps, window = self.page_size, self.sliding_window
         has_swa = self.allocator.full_to_swa_page[slots[::ps] // ps] != 0
-        num_pages = has_swa.size
-        # run[m]: SWA-holding pages just before page boundary m
-        run = np.zeros(num_pages + 1, dtype=np.int64)
-        for i in range(num_pages):
-            run[i + 1] = run[i] + 1 if has_swa[i] else 0
-        for end in range(num_pages, 0, -1):
-            needed = end - swa_tail_start(end * ps, window, ps) // ps
-            if run[end] >= needed:
-                return end * ps
-        return 0
+        if has_swa.all():  # the usual case: nothing tombstoned on the path
+            return int(slots.size)
+        ends = np.arange(1, has_swa.size + 1)  # candidate match ends, in pages
+        # SWA-holding pages just before each end: the end minus its last tombstone's
+        last_tombstone = np.maximum.accumulate(np.where(has_swa, 0, ends))
+        needed = ends - np.maximum(ends * ps - window, 0) // ps  # the tail's pages
+        valid = ends[ends - last_tombstone >= needed]
+        return int(valid[-1]) * ps if valid.size else 0
 
     # -- insert --------------------------------------------------------------------------
 

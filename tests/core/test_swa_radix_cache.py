@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.errors import InvalidArgumentError
+from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.core.swa_radix_cache import SWARadixCache
 
 F, S = "full_attention", "sliding_attention"
 PS, W = 4, 8
@@ -201,3 +205,25 @@ def test_a_decode_slot_handed_back_unwritten_leaves_the_step_before_covered() ->
         pool.check_integrity()
         pool.release("a", is_insert=False)
         pool.check_integrity(idle=True)
+
+
+@given(
+    has_swa=st.lists(st.booleans(), max_size=24),
+    page_size=st.sampled_from([1, 2, 4]),
+    window=st.integers(1, 20),
+)
+def test_the_valid_match_length_is_the_longest_end_whose_tail_holds_swa(
+    has_swa: list[bool], page_size: int, window: int
+) -> None:
+    allocator = SWAPageAllocator(num_pages=24, swa_num_pages=24, page_size=page_size)
+    tree = SWARadixCache(allocator, window)
+    pages = np.arange(1, len(has_swa) + 1)
+    allocator.full_to_swa_page[pages] = np.where(has_swa, pages, 0)
+    slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+
+    def tail_held(end: int) -> bool:  # end in pages; positions [end*ps - W, end*ps)
+        first = max(0, end * page_size - window) // page_size
+        return all(has_swa[first:end])
+
+    want = max((end for end in range(len(has_swa) + 1) if tail_held(end)), default=0)
+    assert tree.swa_valid_len(slots) == want * page_size
