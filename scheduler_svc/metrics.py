@@ -5,7 +5,8 @@ Two sets side by side:
 * kvstack's own, ``kvstack_*``: the retract counters (requests / input
   tokens / output tokens retracted, tokens re-prefilled), the
   ``kvstack_num_retracted_reqs`` gauge (retracted by the last retract), the
-  pool's tokens by state.
+  pool's tokens by state (a hybrid model's full pool; its SWA pool's in
+  ``kvstack_swa_kv_tokens`` and ``kvstack_swa_token_usage``).
 * SGLang's scheduler collector (``srt/observability/metrics_collector.py``),
   ``sglang:*``, with its names, meanings and labels (``model_name``,
   ``engine_type`` (unified / prefill / decode), ``tp_rank``, ``pp_rank``,
@@ -18,7 +19,11 @@ The front's request families (``sglang:time_to_first_token_seconds``,
 ``sglang:prompt_tokens_total``...) are the HTTP front's
 (:mod:`kvstack.serve.app`): a request is counted once, where it enters.
 
-Token usage comes from the sizes memsvc put on its last reply.
+Token usage comes from the sizes memsvc put on its last reply. A hybrid
+(sliding-window) model's pool is two pools: ``sglang:full_token_usage`` and
+``sglang:swa_token_usage`` are each pool's, and ``sglang:token_usage`` and
+``sglang:num_used_tokens`` the larger of the two, as SGLang reports them; the
+``sglang:kv_*_tokens`` gauges stay the full pool's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from scheduler_svc.core.swa_budget import full_available_of
 from scheduler_svc.engine import Engine
 
 # SGLang's GEN_THROUGHPUT_STALENESS_SECONDS: a throughput measured longer ago than this
@@ -140,19 +146,43 @@ class _Collector:
                 "Fraction of the KV pool in use",
                 value=used / capacity if capacity else 0.0,
             )
+        swa = self._swa_pool()
+        if swa is not None:
+            used, evictable, available, capacity = swa
+            tokens = GaugeMetricFamily(
+                "kvstack_swa_kv_tokens",
+                "SWA pool tokens by state (a hybrid model's sliding-window layers)",
+                labels=["state"],
+            )
+            tokens.add_metric(["used"], used)
+            tokens.add_metric(["evictable"], evictable)
+            tokens.add_metric(["available"], available)
+            yield tokens
+            yield GaugeMetricFamily(
+                "kvstack_swa_token_usage",
+                "Fraction of the SWA pool in use",
+                value=used / capacity if capacity else 0.0,
+            )
 
     def _pool(self) -> tuple[int, int, int, int] | None:
-        """(used, evictable, available, capacity) tokens, from memsvc's last reply."""
+        """(used, evictable, available, capacity) tokens, from memsvc's last reply: the
+        full pool's (a hybrid pool's ``available`` is the smaller pool's free tokens)."""
         sizes = self.engine.mem.sizes
         if sizes is None:
             return None
         capacity = self.engine.capacity
-        return (
-            capacity - sizes.available - sizes.evictable,
-            sizes.evictable,
-            sizes.available,
-            capacity,
-        )
+        available = full_available_of(sizes)
+        return (capacity - available - sizes.evictable, sizes.evictable, available, capacity)
+
+    def _swa_pool(self) -> tuple[int, int, int, int] | None:
+        """The SWA pool's (used, evictable, available, capacity) tokens; None unless the
+        pool is hybrid and memsvc's last reply carried its sizes."""
+        sizes = self.engine.mem.sizes
+        spec = self.engine.swa if sizes is not None else None
+        if spec is None or getattr(sizes, "swa_available", None) is None:
+            return None
+        available, evictable = int(sizes.swa_available), int(sizes.swa_evictable or 0)
+        return (spec.capacity - available - evictable, evictable, available, spec.capacity)
 
     # -- SGLang's names ------------------------------------------------------------------------
 
@@ -189,11 +219,18 @@ class _Collector:
         pool = self._pool()
         if pool is not None:
             used, evictable, available, capacity = pool
-            usage = used / capacity if capacity else 0.0
+            usage = full_usage = used / capacity if capacity else 0.0
+            num_used = used
+            swa = self._swa_pool()
+            if swa is not None:  # SGLang: the larger of the two pools'
+                swa_used, _, _, swa_capacity = swa
+                swa_usage = swa_used / swa_capacity if swa_capacity else 0.0
+                usage, num_used = max(usage, swa_usage), max(used, swa_used)
+                gauges.append(("swa_token_usage", "The token usage for SWA layers.", swa_usage))
             gauges += [
                 ("token_usage", "The token usage.", round(usage, 2)),
-                ("full_token_usage", "The token usage for full attention layers.", usage),
-                ("num_used_tokens", "The number of used tokens.", used),
+                ("full_token_usage", "The token usage for full attention layers.", full_usage),
+                ("num_used_tokens", "The number of used tokens.", num_used),
                 (
                     "kv_available_tokens",
                     "Number of free token slots in the KV cache pool.",
