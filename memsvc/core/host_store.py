@@ -104,6 +104,8 @@ class HostStore:
         if rid in self._entries:
             raise DuplicateRequestError(f"host store already holds KV for {rid!r}")
         num_pages = ceil_div(token_slots.size, self._buffers.layout.page_size)
+        if not self._page_bytes:  # a pure sliding-window model's full pool: nothing to hold
+            num_pages = 0
         if num_pages * self._page_bytes > self.free_bytes:
             raise HostStoreFullError(
                 f"host store full: {rid!r} needs {num_pages * self._page_bytes} bytes, "

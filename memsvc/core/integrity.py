@@ -24,6 +24,7 @@ import numpy as np
 from memsvc.core.allocator import OWNER_FREE, OWNER_PENDING, OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import IntegrityError
 from memsvc.core.swa_check import check_swa
+from memsvc.core.swa_host_store import HybridHostStore
 
 if TYPE_CHECKING:
     from memsvc.core.pool import KVPool
@@ -115,15 +116,21 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
             f"available {available} + evictable {pool.evictable_size()} + "
             f"protected {pool.protected_size()} + held {held} != capacity {pool.capacity}"
         )
-    host_bytes = sum(pool.host_store.entry_bytes(rid) for rid in pool.host_store.rids())
-    store = pool.host_store
-    listed_free = sum(length for _, length in store.free_extents()) * store.bytes_needed(page_size)
-    if (
-        host_bytes != store.used_bytes
-        or host_bytes > store.capacity_bytes
-        or listed_free != store.free_bytes
-    ):
-        problems.append("host store byte accounting is off")
+    # a hybrid model's host store: two arenas (full KV, SWA window KV), one entry in each
+    stores = [pool.host_store]
+    if isinstance(pool.host_store, HybridHostStore):
+        stores = [pool.host_store.full, pool.host_store.swa]
+        if sorted(stores[0].rids()) != sorted(stores[1].rids()):
+            problems.append("host store: the full and SWA arenas hold different requests")
+    for store in stores:
+        host_bytes = sum(store.entry_bytes(rid) for rid in store.rids())
+        listed_free = sum(n for _, n in store.free_extents()) * store.bytes_needed(page_size)
+        if (
+            host_bytes != store.used_bytes
+            or host_bytes > store.capacity_bytes
+            or listed_free != store.free_bytes
+        ):
+            problems.append("host store byte accounting is off")
 
     if idle:
         if pool.num_loading:

@@ -57,6 +57,7 @@ from memsvc.core.req_to_token import ReqToTokenTable
 from memsvc.core.request_prefix import RequestPrefixes, TierMatch, as_token_array
 from memsvc.core.retract import RetractResult, retract_until_fits
 from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.core.swa_host_store import HybridHostStore
 from memsvc.core.swa_radix_cache import SWARadixCache
 from memsvc.core.swa_window import SWAWindows
 
@@ -138,7 +139,12 @@ class KVPool(HostStoreOps):
                 self.tree = self.hicache = HiRadixCache(self.allocator, self.buffers, hicache)
             else:
                 self.tree = RadixCache(self.allocator, disabled=disable_radix_cache)
-            self.host_store = HostStore(self.buffers, host_store_bytes)
+            # a hybrid model's host store keeps the full KV and the SWA window's KV
+            self.host_store: HostStore | HybridHostStore = (
+                HybridHostStore(self.buffers, host_store_bytes)
+                if layout.is_hybrid
+                else HostStore(self.buffers, host_store_bytes)
+            )
         except BaseException:
             self.buffers.close()
             raise

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memsvc.core.errors import HostStoreFullError, InvalidArgumentError
+from memsvc.core.errors import HostStoreFullError
 
 if TYPE_CHECKING:
     from memsvc.core.pool import KVPool
@@ -63,11 +63,6 @@ def retract_until_fits(
     to_host = dict.fromkeys(order, offload) if isinstance(offload, bool) else None
     if to_host is None:
         to_host = dict(zip(order, np.asarray(offload, dtype=bool).tolist(), strict=True))
-    if pool.layout.is_hybrid and any(to_host.values()):
-        raise InvalidArgumentError(
-            "retract to the host store: no SWA pool there yet (a hybrid sliding-window "
-            "model retracts by recompute)"
-        )
     tokens_before = pool.available_size() + pool.evictable_size()
     retracted: list[str] = []
     offload_failed: list[str] = []

@@ -91,6 +91,24 @@ class SWAPageAllocator(PageAllocator):
         self.num_tree_swa_pages += int(np.count_nonzero(owners == OWNER_TREE))
         return pages
 
+    def alloc_pages_swa_tail(
+        self, num_pages: int, num_swa_pages: int, owner: int
+    ) -> np.ndarray | None:
+        """``num_pages`` full pages, the last ``num_swa_pages`` of them with an SWA page (a
+        request loaded back with its window's SWA KV alone), or ``None`` (nothing changed)."""
+        if not 0 <= num_swa_pages <= num_pages:
+            raise InvalidArgumentError(f"{num_swa_pages} SWA pages for {num_pages} pages")
+        if num_swa_pages > self.swa.num_free_pages:
+            return None
+        pages = super().alloc_pages(num_pages, owner)
+        if pages is None or not num_swa_pages:
+            return pages
+        swa_pages = self.swa.alloc_pages(num_swa_pages, owner)
+        assert swa_pages is not None  # checked above; the SWA pool has no pending pages
+        self.full_to_swa_page[pages[num_pages - num_swa_pages :]] = swa_pages
+        self.num_tree_swa_pages += num_swa_pages * int(owner == OWNER_TREE)
+        return pages
+
     def free_pages(self, pages: np.ndarray, owner: int | None = None) -> None:
         """Free full pages and the SWA pages they still have (validated first)."""
         pages = np.unique(np.asarray(pages, dtype=SLOT_DTYPE))

@@ -110,6 +110,13 @@ class SWAWindows:
         for row in repin:
             self._repin(row)
 
+    def loaded(self, row: int, swa_from: int, kv_len: int) -> None:
+        """The (empty, unpinned) row was given back ``kv_len`` positions whose SWA KV starts at
+        ``swa_from`` (a host-store load): its window is as if its latest allocation started
+        at ``kv_len``, the first position still to run, whose window starts after ``swa_from``."""
+        self.evicted_lens[row] = swa_from
+        self.alloc_starts[row] = self.prev_starts[row] = kv_len
+
     def dropped(self, row: int) -> None:
         """The row's latest allocation (a decode slot reserved ahead) was handed back
         unwritten: it never ran, so the allocation before it is the latest again."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import zlib
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -31,7 +30,6 @@ from hypothesis.stateful import (
 )
 
 from memsvc.core import KVPool, PoolLayout
-from memsvc.core.errors import InvalidArgumentError
 
 F, S = "full_attention", "sliding_attention"
 BASE_PROMPTS = [list(range(1, 40)), list(range(1, 20)) + list(range(60, 80)), [5] * 30]
@@ -58,7 +56,7 @@ def hybrid_pool(
         max_context_len=128,
         dtype="float32",
     )
-    return KVPool(layout, disable_radix_cache=not radix)
+    return KVPool(layout, disable_radix_cache=not radix, host_store_bytes=1 << 20)
 
 
 class SWAPoolMachine(RuleBasedStateMachine):
@@ -205,6 +203,30 @@ class SWAPoolMachine(RuleBasedStateMachine):
         kv_len = self.pool.request(rid).kv_len
         self.pool.release(rid, self.seqs[rid][:kv_len], is_insert=is_insert)
 
+    @rule(rid=open_rids)
+    def offload_and_load(self, rid: str) -> None:
+        """A retract by offload and its resume: every position's full KV and the window's
+        SWA KV come back into fresh pages (the host store keeps the SWA tail alone)."""
+        pool = self.pool
+        kv_len = pool.request(rid).kv_len
+        if not kv_len:
+            return
+        pool.offload(rid)
+        ps = pool.page_size
+        tail = max(0, kv_len - self.window) // ps * ps  # SGLang's SWA tail start
+        frontier = max(0, kv_len + 1 - self.window) // ps * ps  # the next query's window
+        assert tail <= pool.host_store.swa_from(rid) <= frontier
+        pool.release(rid, is_insert=False)
+        pool.open_request(rid)
+        slots = pool.load(rid)
+        if slots is None:  # no room even after evicting: it stays out, as a retracted request
+            pool.host_discard(rid)
+            self.starts[rid] = []
+        else:  # nothing has run on the loaded row: the next query reads from kv_len - W + 1
+            assert slots.size == kv_len
+            self.starts[rid] = [kv_len]
+        self.reserved.discard(rid)
+
     @rule(num_tokens=st.integers(0, 48))
     def evict(self, num_tokens: int) -> None:
         before = self.pool.evictable_size()
@@ -237,13 +259,3 @@ SWAPoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestSWAPoolProperties = SWAPoolMachine.TestCase
-
-
-def test_host_store_ops_refuse_a_hybrid_pool() -> None:
-    with hybrid_pool(4, 8, 12, True) as pool:
-        pool.open_request("a")
-        pool.alloc_extend([("a", 5)])
-        with pytest.raises(InvalidArgumentError, match="SWA"):
-            pool.offload("a")
-        pool.release("a", is_insert=False)
-        pool.check_integrity(idle=True)

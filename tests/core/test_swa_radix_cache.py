@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from memsvc.core import KVPool, PoolLayout
-from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.swa_allocator import SWAPageAllocator
 from memsvc.core.swa_radix_cache import SWARadixCache
 
@@ -168,16 +166,14 @@ def test_decode_frees_the_pages_that_left_every_window() -> None:
         pool.check_integrity(idle=True)
 
 
-def test_retract_by_recompute_frees_both_pools_and_refuses_the_host_store() -> None:
+def test_retract_by_recompute_frees_both_pools() -> None:
+    # (retract by offload: tests/core/test_swa_host_store.py)
     with pool_of(num_pages=8, swa_num_pages=4) as pool:
         rows = []
         for rid in ("a", "b"):
             rows.append(pool.open_request(rid))
             pool.alloc_extend([(rid, 8)])  # the SWA pool is full
         assert pool.swa_available_size() == 0
-        with pytest.raises(InvalidArgumentError, match="SWA"):
-            pool.retract(rows, offload=True, retract_decode_steps=0)
-        assert pool.open_rids() == ["a", "b"]  # nothing changed
         result = pool.retract(rows, offload=False, retract_decode_steps=0)
         assert result.retracted == ["b"] and not result.last_does_not_fit
         assert pool.swa_available_size() == 8 and pool.full_available_size() == 24
