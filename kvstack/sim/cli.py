@@ -7,6 +7,8 @@ Examples::
         --sweep schedule_conservativeness=0.3,1.0,2.0 --plots out/ --json
     kvstack sim --trace trace.jsonl --sweep retract_mode=recompute,offload,auto
     kvstack sim --trace trace.jsonl --sweep retraction_policy=length,cost
+    kvstack sim --requests 200 --input-len uniform:1024:4096 --sliding-window 512 \
+        --sweep swa_full_tokens_ratio=0.2,0.8
 
 Prints a table (one row per configuration; several with ``--sweep``), and with
 ``--json`` one JSON object on the last line. Exit status 2 on a bad setting.
@@ -61,6 +63,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pool.add_argument("--max-running-requests", type=int, default=256)
     pool.add_argument(
         "--host-store-tokens", type=int, help="host store size for offload; none: the pool's"
+    )
+    pool.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="a hybrid model: W tokens of window on --swa-layers of its --num-layers layers, "
+        "and two pools (full and SWA) in the bytes of --pool-tokens tokens of every layer "
+        "(0: every layer full, one pool)",
+    )
+    pool.add_argument(
+        "--swa-layers", type=int, default=5, help="hybrid: windowed layers (default 5)"
+    )
+    pool.add_argument("--num-layers", type=int, default=6, help="hybrid: layers in all (default 6)")
+    pool.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=0.8,
+        help="hybrid: SWA pool tokens per full pool token, per layer (SGLang's flag)",
     )
     cost = parser.add_argument_group("cost model (defaults: this CPU, the tiny model)")
     cost.add_argument("--cost", metavar="FILE", help="JSON object of CostModel fields")
@@ -158,6 +178,10 @@ def _base_spec(args: argparse.Namespace) -> SimSpec:
         page_size=args.page_size,
         max_running_requests=args.max_running_requests,
         host_store_tokens=args.host_store_tokens,
+        sliding_window=args.sliding_window,
+        swa_layers=args.swa_layers,
+        num_layers=args.num_layers,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
         cost=cost,
         check_tokens=args.check,
     )
@@ -171,9 +195,15 @@ def _describe(args: argparse.Namespace, workload: list[RequestSpec]) -> str:
     source = f"trace {args.trace}" if args.trace else f"synthetic (seed {args.seed})"
     inputs = sum(r.input_len for r in workload)
     outputs = sum(r.output_len for r in workload)
+    hybrid = ""
+    if args.sliding_window:
+        hybrid = (
+            f" (hybrid: window {args.sliding_window} on {args.swa_layers} of {args.num_layers} "
+            f"layers, full and SWA pools in its bytes, ratio {args.swa_full_tokens_ratio})"
+        )
     return (
         f"{len(workload)} requests from {source}: {inputs} prompt tokens, {outputs} output "
-        f"tokens; pool {args.pool_tokens} tokens, page {args.page_size}"
+        f"tokens; pool {args.pool_tokens} tokens{hybrid}, page {args.page_size}"
     )
 
 
@@ -185,6 +215,10 @@ COLUMNS: list[tuple[str, str]] = [
     ("max_retractions_per_request", "max/req"),
     ("reprefilled_tokens", "re-prefilled"),
     ("copy_s", "copy s"),
+    ("peak_running", "peak run"),
+    ("peak_context", "peak ctx"),
+    ("peak_used", "full peak"),
+    ("peak_swa_used", "SWA peak"),
     ("aborted", "aborts"),
     ("sim_s", "sim s"),
 ]
@@ -226,6 +260,14 @@ def _json_report(
         },
         "pool_tokens": args.pool_tokens,
         "page_size": args.page_size,
+        "hybrid": {
+            "sliding_window": args.sliding_window,
+            "swa_layers": args.swa_layers,
+            "num_layers": args.num_layers,
+            "swa_full_tokens_ratio": args.swa_full_tokens_ratio,
+        }
+        if args.sliding_window
+        else None,
         "cost": spec.cost.as_dict(),
         "results": [r.summary() for r in results],
     }

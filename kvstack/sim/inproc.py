@@ -14,6 +14,7 @@ from typing import Any
 from kvstack.sim.costmodel import CostModel, SimClock
 from memsvc.client import AllocResult, RetractReply
 from memsvc.core import KVPool, PoolLayout
+from memsvc.core.layout import hybrid_layout
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.inproc import InProcessMem
 
@@ -24,16 +25,31 @@ TINY_KV_DIMS: dict[str, int] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 
 
 
 def tiny_layout(
-    num_tokens: int, page_size: int, max_running_requests: int, max_context_len: int
+    num_tokens: int,
+    page_size: int,
+    max_running_requests: int,
+    max_context_len: int,
+    *,
+    layer_types: tuple[str, ...] = (),
+    sliding_window: int = 0,
+    swa_full_tokens_ratio: float = 0.8,
 ) -> PoolLayout:
-    """A pool of ``num_tokens`` (rounded down to pages) with the smallest KV per token."""
-    return PoolLayout(
-        **TINY_KV_DIMS,
+    """A pool of ``num_tokens`` (rounded down to pages) with the smallest KV per token.
+
+    With ``layer_types`` holding a sliding layer: a hybrid model's two pools in the
+    bytes of ``num_tokens`` tokens of every layer (memsvc's ``--layer-types`` sizing).
+    """
+    dims = TINY_KV_DIMS if not layer_types else {**TINY_KV_DIMS, "num_layers": len(layer_types)}
+    layout = PoolLayout(
+        **dims,
         page_size=page_size,
         num_pages=max(num_tokens // page_size, 1),
         max_running_requests=max_running_requests,
         max_context_len=max_context_len,
     )
+    if not layer_types:
+        return layout
+    return hybrid_layout(layout, layer_types, sliding_window, swa_full_tokens_ratio)
 
 
 def build_service(

@@ -39,6 +39,7 @@ from scheduler_svc.core import (
     check_fits,
     clamp_max_new_tokens,
 )
+from scheduler_svc.core.swa_budget import check_swa_fits, full_available_of
 from scheduler_svc.engine import Engine
 
 
@@ -66,6 +67,8 @@ class Series:
     t: list[float] = field(default_factory=list)
     used: list[int] = field(default_factory=list)  # held by requests (not evictable cache)
     evictable: list[int] = field(default_factory=list)
+    swa_used: list[int] = field(default_factory=list)  # a hybrid model's SWA pool (else empty)
+    context: list[int] = field(default_factory=list)  # the running requests' tokens
     ratio: list[float] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
@@ -113,8 +116,19 @@ async def run_async(
     seed: int = 0,
 ) -> SimResult:
     config = spec.scheduler_config()
+    hybrid = {}
+    if spec.is_hybrid:
+        hybrid = dict(
+            layer_types=spec.layer_types(),
+            sliding_window=spec.sliding_window,
+            swa_full_tokens_ratio=spec.swa_full_tokens_ratio,
+        )
     layout = tiny_layout(
-        spec.pool_tokens, spec.page_size, spec.max_running_requests, _context_len(spec, workload)
+        spec.pool_tokens,
+        spec.page_size,
+        spec.max_running_requests,
+        _context_len(spec, workload),
+        **hybrid,
     )
     host_tokens = spec.pool_tokens if spec.host_store_tokens is None else spec.host_store_tokens
     service = build_service(
@@ -214,6 +228,12 @@ class Simulation:
         capacity = self.service.pool.capacity
         try:
             check_fits(spec.input_len, capacity, self.spec.page_size)
+            check_swa_fits(
+                spec.input_len,
+                self.engine.swa,
+                mode="normal",
+                chunked_prefill_size=self.config.chunked_prefill_size,
+            )
         except RequestTooLargeError:
             record.status = "rejected"
             return
@@ -254,8 +274,13 @@ class Simulation:
         sizes = self.mem.sizes
         series = self.series
         series.t.append(self.clock.now)
-        series.used.append(self.service.pool.capacity - sizes.available - sizes.evictable)
+        pool = self.service.pool
+        series.used.append(pool.capacity - full_available_of(sizes) - sizes.evictable)
         series.evictable.append(sizes.evictable)
+        if pool.layout.is_hybrid:
+            swa_free = (sizes.swa_available or 0) + (sizes.swa_evictable or 0)
+            series.swa_used.append(pool.layout.swa_capacity_tokens - swa_free)
+        series.context.append(sum(r.seq_len for r in self.engine.running))
         series.ratio.append(self.engine.ratio.current)
         series.waiting.append(len(self.engine.waiting))
         series.running.append(len(self.engine.running))
@@ -286,6 +311,8 @@ class Simulation:
         stats = self.engine.stats
         sim_s = self.clock.now
         output_tokens = sum(r.output_len for r in finished)
+        series, layout = self.series, self.service.pool.layout
+        swa_capacity = layout.swa_capacity_tokens if layout.is_hybrid else None
         return {
             "requests": len(records),
             "finished": len(finished),
@@ -307,6 +334,12 @@ class Simulation:
             "loaded_tokens": self.mem.loaded_tokens,
             "copy_s": round(self.clock.copy_s, 6),
             "unservable": self.num_unservable,
+            "capacity": self.service.pool.capacity,
+            "peak_used": max(series.used, default=0),
+            "peak_context": max(series.context, default=0),
+            "peak_running": max(series.running, default=0),
+            "swa_capacity": swa_capacity,
+            "peak_swa_used": max(series.swa_used, default=0) if swa_capacity else None,
             "wrong_outputs": self.num_wrong_outputs if self.spec.check_tokens else None,
         }
 

@@ -2,7 +2,9 @@
 
 A setting ``key=value`` goes, by key, to the first of:
 
-1. the pool (:data:`POOL_KEYS`: ``pool_tokens``, ``page_size``, ...);
+1. the pool (:data:`POOL_KEYS`: ``pool_tokens``, ``page_size``, ..., and a
+   hybrid model's ``sliding_window``, ``swa_layers``, ``num_layers``,
+   ``swa_full_tokens_ratio``);
 2. any :class:`~scheduler_svc.core.SchedulerConfig` field
    (``schedule_conservativeness``, ``retraction_policy``, ``retract_mode``
    once the config has it, ...), its value parsed after the field's default;
@@ -23,7 +25,17 @@ from typing import Any
 from kvstack.sim.costmodel import CostModel
 from scheduler_svc.core import SchedulerConfig
 
-POOL_KEYS = ("pool_tokens", "page_size", "max_running_requests", "host_store_tokens")
+POOL_KEYS = (
+    "pool_tokens",
+    "page_size",
+    "max_running_requests",
+    "host_store_tokens",
+    "sliding_window",
+    "swa_layers",
+    "num_layers",
+)
+FLOAT_POOL_KEYS = ("swa_full_tokens_ratio",)
+DEFAULT_SWA_FULL_TOKENS_RATIO = 0.8  # SGLang's --swa-full-tokens-ratio
 
 
 @dataclass(frozen=True)
@@ -33,16 +45,40 @@ class SimSpec:
     ``host_store_tokens`` (None: as many as the pool) sizes memsvc's host
     store, which offload-mode retracts need. ``check_tokens`` makes the
     worker verify KV slots and the runner verify every output (slower).
+
+    A hybrid (sliding-window) model: ``sliding_window`` W > 0 makes
+    ``swa_layers`` of its ``num_layers`` layers windowed (the rest full
+    attention), and memsvc's pool two pools, as ``memsvc --layer-types`` does:
+    ``pool_tokens`` is then the bytes of that many tokens of every layer, split
+    into a full and an SWA pool by ``swa_full_tokens_ratio`` (SGLang's sizing);
+    the engine budgets both with SGLang's SWA rules.
     """
 
     pool_tokens: int = 200_000
     page_size: int = 16
     max_running_requests: int = 256
     host_store_tokens: int | None = None
+    sliding_window: int = 0
+    swa_layers: int = 5
+    num_layers: int = 6
+    swa_full_tokens_ratio: float = DEFAULT_SWA_FULL_TOKENS_RATIO
     config: dict[str, Any] = field(default_factory=dict)
     cost: CostModel = field(default_factory=CostModel)
     check_tokens: bool = False
     keep_outputs: bool = False
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.sliding_window > 0
+
+    def layer_types(self) -> tuple[str, ...]:
+        """The simulated model's ``layer_types``: its full layers first, then the windowed."""
+        if not 1 <= self.swa_layers <= self.num_layers:
+            raise ValueError(
+                f"swa_layers={self.swa_layers}: must be 1 to num_layers ({self.num_layers})"
+            )
+        full = self.num_layers - self.swa_layers
+        return ("full_attention",) * full + ("sliding_attention",) * self.swa_layers
 
     def scheduler_config(self) -> SchedulerConfig:
         """The engine's config; ``SGLANG_*`` variables are ignored, so runs are reproducible."""
@@ -101,13 +137,15 @@ def apply_setting(spec: SimSpec, key: str, raw: Any) -> SimSpec:
         if key in POOL_KEYS:
             value = None if str(raw).lower() == "none" else int(raw)
             return replace(spec, **{key: value})
+        if key in FLOAT_POOL_KEYS:
+            return replace(spec, **{key: float(raw)})
         if key in config_field_names():
             return replace(spec, config={**spec.config, key: parse_config_value(key, raw)})
         if key in CostModel.field_names():
             return replace(spec, cost=spec.cost.with_values({key: raw}))
     except ValueError as exc:
         raise ValueError(f"{key}={raw}: {exc}") from None
-    known = [*POOL_KEYS, *config_field_names(), *CostModel.field_names()]
+    known = [*POOL_KEYS, *FLOAT_POOL_KEYS, *config_field_names(), *CostModel.field_names()]
     raise ValueError(f"unknown setting {key!r}; known: {', '.join(known)}")
 
 
