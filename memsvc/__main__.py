@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         curve = curve_from_args(args)
         config = from_args(MemsvcConfig, args)
         layout = config.layout
-        host_bytes = layout.kv_bytes if config.host_store_bytes is None else config.host_store_bytes
+        pool_bytes = layout.kv_bytes + layout.swa_kv_bytes  # both pools of a hybrid model
+        host_bytes = pool_bytes if config.host_store_bytes is None else config.host_store_bytes
         options = {"device": config.device} if config.backend == "cuda" else {}
         pool = KVPool(
             layout,

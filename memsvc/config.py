@@ -134,7 +134,8 @@ class MemsvcConfig:
     device: int = setting(0, "GPU index for --backend cuda", group=MEMORY)
     host_store_bytes: int | None = setting(
         None,
-        "CPU RAM for offloaded (retracted) KV, in bytes (default: the size of the KV pool)",
+        "CPU RAM for offloaded (retracted) KV, in bytes (default: the size of the KV pool; "
+        "a hybrid model's two pools)",
         metavar="BYTES",
         group=MEMORY,
         forward=True,
