@@ -84,9 +84,14 @@ class NixlMover:
             self.base, self.mem = int(kv.data.ptr), "VRAM"
             self.device = int(pool.buffers.device)
         self.page_bytes = pool.buffers.layout.bytes_per_page
-        self._registered = self.agent.register_memory(
-            [(self.base, kv.nbytes, self.device, "")], self.mem
-        )
+        regions = [(self.base, kv.nbytes, self.device, "")] if kv.nbytes else []
+        # a hybrid model's SWA pool too (shm only: the cuda backend refuses hybrid layouts)
+        swa_kv = pool.buffers.swa_kv
+        self.swa_base, self.swa_page_bytes = 0, pool.buffers.layout.swa_bytes_per_page
+        if swa_kv is not None:
+            self.swa_base = int(swa_kv.ctypes.data)
+            regions.append((self.swa_base, swa_kv.nbytes, self.device, ""))
+        self._registered = self.agent.register_memory(regions, self.mem)
         self._remotes: dict[str, str] = {}
         # Rooms whose transfer handle is live (each handle holds the agent too).
         self._in_flight: dict[int, Room] = {}
@@ -98,24 +103,46 @@ class NixlMover:
             "base": self.base,
             "mem": self.mem,
             "device": self.device,
+            "swa_base": self.swa_base,
         }
 
-    def _descs(self, base: int, pages: np.ndarray, device: int) -> np.ndarray:
+    def _descs(
+        self, base: int, pages: np.ndarray, device: int, page_bytes: int | None = None
+    ) -> np.ndarray:
+        page_bytes = self.page_bytes if page_bytes is None else page_bytes
+        if not page_bytes:  # a pure sliding-window model's full pool: no bytes
+            return np.zeros((0, 3), dtype=np.uint64)
         descs = np.zeros((pages.size, 3), dtype=np.uint64)
-        descs[:, 0] = base + pages.astype(np.uint64) * self.page_bytes
-        descs[:, 1] = self.page_bytes
+        descs[:, 0] = base + pages.astype(np.uint64) * page_bytes
+        descs[:, 1] = page_bytes
         descs[:, 2] = device
         return descs
 
-    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+    def start(
+        self,
+        room: Room,
+        dest: dict[str, Any],
+        dst_pages: np.ndarray,
+        peer,
+        dst_swa_pages: np.ndarray | None = None,
+    ) -> None:
+        """WRITE the room's full pages and (hybrid) its window's SWA pages, one transfer."""
         name = dest["agent"]
         if name not in self._remotes:
             self._remotes[name] = self.agent.add_remote_agent(dest["meta"])
-        local = self.agent.get_xfer_descs(self._descs(self.base, room.pages, self.device), self.mem)
-        remote = self.agent.get_xfer_descs(
-            self._descs(int(dest["base"]), dst_pages, int(dest.get("device", 0))),
-            dest.get("mem", "DRAM"),
-        )
+        device = int(dest.get("device", 0))
+        local_descs = self._descs(self.base, room.pages, self.device)
+        remote_descs = self._descs(int(dest["base"]), dst_pages, device)
+        if room.swa_pages is not None and dst_swa_pages is not None:
+            swa = self.swa_page_bytes
+            local_descs = np.concatenate(
+                [local_descs, self._descs(self.swa_base, room.swa_pages, self.device, swa)]
+            )
+            remote_descs = np.concatenate(
+                [remote_descs, self._descs(int(dest["swa_base"]), dst_swa_pages, device, swa)]
+            )
+        local = self.agent.get_xfer_descs(local_descs, self.mem)
+        remote = self.agent.get_xfer_descs(remote_descs, dest.get("mem", "DRAM"))
         room.handle = self.agent.initialize_xfer("WRITE", local, remote, self._remotes[name])
         self._in_flight[room.room] = room
         if self.agent.transfer(room.handle) == "ERR":
@@ -167,17 +194,33 @@ class ZmqMover:
     def describe(self) -> dict[str, Any]:
         return {}
 
-    def start(self, room: Room, dest: dict[str, Any], dst_pages: np.ndarray, peer) -> None:
+    def start(
+        self,
+        room: Room,
+        dest: dict[str, Any],
+        dst_pages: np.ndarray,
+        peer,
+        dst_swa_pages: np.ndarray | None = None,
+    ) -> None:
+        """The room's full pages, then (hybrid) its window's SWA pages (``pool: swa``)."""
         buffers = self.pool.buffers
         page_shape = buffers.layout.kv_shape[1:]
-        for start in range(0, room.pages.size, CHUNK_PAGES):
-            chunk = room.pages[start : start + CHUNK_PAGES]
+        full_pages = room.pages if buffers.layout.bytes_per_page else room.pages[:0]
+        for start in range(0, full_pages.size, CHUNK_PAGES):
+            chunk = full_pages[start : start + CHUNK_PAGES]
             # one gather into the frame (device to host on the cuda backend)
             payload = np.empty((chunk.size, *page_shape), buffers.layout.storage_dtype)
             buffers.gather_pages(chunk, payload)
             peer.send_multipart(
                 pack_frames({"t": "data", "room": room.room, "start": start}, payload)
             )
+        if room.swa_pages is None:
+            return
+        for start in range(0, room.swa_pages.size, CHUNK_PAGES):
+            chunk = room.swa_pages[start : start + CHUNK_PAGES]
+            payload = np.ascontiguousarray(buffers.swa_kv[chunk])  # shm: a host array
+            header = {"t": "data", "room": room.room, "start": start, "pool": "swa"}
+            peer.send_multipart(pack_frames(header, payload))
 
     def poll(self, room: Room) -> str:
         return "DONE"

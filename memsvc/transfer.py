@@ -96,11 +96,6 @@ class TransferAgent:
             raise InvalidArgumentError("a prefill-role memsvc needs --transfer-peer")
         if backend not in TRANSFER_BACKENDS:
             raise InvalidArgumentError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}")
-        if pool.layout.is_hybrid:  # the transfer moves the full pool's pages alone
-            raise InvalidArgumentError(
-                "PD transfer has no SWA pool yet: a hybrid (sliding-window) model runs with "
-                "--pd-role none"
-            )
         self.pool, self.role, self.listen, self.peer_address = pool, role, listen, peer
         self.peer_timeout_s = peer_timeout_s
         self.epoch = epoch

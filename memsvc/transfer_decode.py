@@ -20,7 +20,15 @@ from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
 from memsvc.curve import CurveKeys, make_server
 from memsvc.movers import NixlMover, ZmqMover, pack_frames
-from memsvc.transfer_rooms import KVPoll, Peer, Room, RoomBook, listener_limit, page_geometry
+from memsvc.transfer_rooms import (
+    KVPoll,
+    Peer,
+    Room,
+    RoomBook,
+    listener_limit,
+    page_geometry,
+    swa_window_pages,
+)
 
 log = logging.getLogger("memsvc.transfer")
 
@@ -90,10 +98,12 @@ class DecodeSide:
         pages = aligned_pages(slots, self.page_size)
         if pages is None or req.kv_len == 0:
             raise InvalidArgumentError(f"{rid!r} holds no page-aligned slots to receive into")
+        swa_pages = swa_window_pages(self.pool, pages, req.kv_len)  # hybrid: the window's
         now = time.monotonic()
         self.rooms[room_id] = Room(
             room_id, rid, pages, req.kv_len, KVPoll.WAITING_FOR_INPUT, created=now
         )
+        self.rooms[room_id].swa_pages = swa_pages
 
     def on_message(self, peer: Peer | None, header: dict, payload: list[bytes]) -> None:
         kind = header.get("t")
@@ -107,7 +117,7 @@ class DecodeSide:
         elif room is not None and room.peer != peer and (kind, room.peer) != ("abort", None):
             self._refuse(peer, room, kind)
         elif kind == "data":
-            self._receive_data(room, int(header["start"]), payload)
+            self._receive_data(room, int(header["start"]), payload, header.get("pool") == "swa")
         elif kind == "done":
             ok, why = self._check_done(room, header)
             if room is not None and room.state is not KVPoll.FAILED:
@@ -163,21 +173,36 @@ class DecodeSide:
                 "geometry": page_geometry(self.pool),
                 "mover": self.mover.describe(),
             }
+            if room.swa_pages is not None:
+                reply["swa_pages"] = room.swa_pages.astype(np.int64).tobytes()
         self.sock.send_multipart([peer[0], *pack_frames(reply)])
 
-    def _receive_data(self, room: Room | None, start: int, payload: list[bytes]) -> None:
+    def _receive_data(
+        self, room: Room | None, start: int, payload: list[bytes], swa: bool = False
+    ) -> None:
+        """A chunk of the room's full pages, or (``swa``) of its window's SWA pages."""
         if room is None or room.state is not KVPoll.TRANSFERRING or len(payload) != 1:
             return  # cancelled or failed meanwhile: drop the bytes
         layout = self.pool.buffers.layout
-        page_shape = layout.kv_shape[1:]
+        if swa and room.swa_pages is None:
+            self.book.finish(room, "SWA transfer data for a room without an SWA window")
+            return
+        room_pages = room.swa_pages if swa else room.pages
+        assert room_pages is not None
+        page_shape = layout.swa_kv_shape[1:] if swa else layout.kv_shape[1:]
         data = np.frombuffer(payload[0], dtype=layout.storage_dtype)
-        count, rest = divmod(data.size, int(np.prod(page_shape)))
-        if count == 0 or rest or start < 0 or start + count > room.pages.size:
+        page_items = int(np.prod(page_shape))
+        count, rest = divmod(data.size, page_items) if page_items else (0, 1)
+        if count == 0 or rest or start < 0 or start + count > room_pages.size:
             self.book.finish(room, "transfer data outside the room's pages")
             return
-        pages = room.pages[start : start + count]
-        self.pool.buffers.scatter_pages(data.reshape(count, *page_shape), pages)
-        room.chunks[start] = count  # a duplicated chunk is written again, counted once
+        pages = room_pages[start : start + count]
+        if swa:
+            self.pool.buffers.swa_kv[pages] = data.reshape(count, *page_shape)
+            room.swa_chunks[start] = count
+        else:
+            self.pool.buffers.scatter_pages(data.reshape(count, *page_shape), pages)
+            room.chunks[start] = count  # a duplicated chunk is written again, counted once
 
     def _check_done(self, room: Room | None, header: dict) -> tuple[bool, str]:
         if room is None:
@@ -191,6 +216,11 @@ class DecodeSide:
                 f"token count mismatch: sent {header.get('num_tokens')}, expected {room.num_tokens}"
             )
         received = sum(room.chunks.values())
-        if self.mover.name == "zmq" and received != room.pages.size:
-            return False, f"received {received} of {room.pages.size} pages"
+        full_pages = room.pages.size if self.pool.layout.bytes_per_page else 0  # pure SWA: none
+        if self.mover.name == "zmq" and received != full_pages:
+            return False, f"received {received} of {full_pages} pages"
+        if self.mover.name == "zmq" and room.swa_pages is not None:
+            received = sum(room.swa_chunks.values())
+            if received != room.swa_pages.size:
+                return False, f"received {received} of {room.swa_pages.size} SWA pages"
         return True, ""

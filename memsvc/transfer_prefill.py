@@ -32,6 +32,7 @@ from memsvc.transfer_rooms import (
     Room,
     RoomBook,
     page_geometry,
+    swa_window_pages,
 )
 
 
@@ -114,8 +115,10 @@ class PrefillSide:
         pages = aligned_pages(self.pool.slots(rid, 0, num_tokens), self.page_size)
         if pages is None:
             raise InvalidArgumentError(f"{rid!r}'s slots are not page-aligned")
+        swa_pages = swa_window_pages(self.pool, pages, num_tokens)  # hybrid: the window's
         now = time.monotonic()
         room = Room(room_id, rid, pages, num_tokens, KVPoll.BOOTSTRAPPING, created=now)
+        room.swa_pages = swa_pages
         room.first_token, room.cached_tokens = first_token, cached
         room.peer_rid = peer_rid or rid
         room.waiting_since = now
@@ -177,6 +180,9 @@ class PrefillSide:
 
     def _start_send(self, room: Room, dest: dict) -> None:
         dst_pages = np.frombuffer(dest["pages"], dtype=np.int64)
+        dst_swa = dest.get("swa_pages")
+        dst_swa_pages = None if dst_swa is None else np.frombuffer(dst_swa, dtype=np.int64)
+        swa_size = None if room.swa_pages is None else room.swa_pages.size
         if dest.get("rid") != room.peer_rid:
             self._abort_send(room, "bootstrap_room mismatch")
         elif dest.get("geometry") != page_geometry(self.pool):
@@ -187,12 +193,16 @@ class PrefillSide:
             self._abort_send(
                 room, f"decode side expects {dest.get('num_tokens')} tokens, have {room.num_tokens}"
             )
+        elif (None if dst_swa_pages is None else dst_swa_pages.size) != swa_size:
+            self._abort_send(room, "the decode side's SWA window differs from this one")
         else:
             room.state = KVPoll.TRANSFERRING
             room.started = room.waiting_since = time.monotonic()
-            room.bytes = room.pages.size * self.pool.buffers.layout.bytes_per_page
+            layout = self.pool.buffers.layout
+            room.bytes = room.pages.size * layout.bytes_per_page
+            room.bytes += (swa_size or 0) * layout.swa_bytes_per_page
             try:
-                self.mover.start(room, dest["mover"], dst_pages, self.sock)
+                self.mover.start(room, dest["mover"], dst_pages, self.sock, dst_swa_pages)
             except Exception as exc:
                 self._abort_send(room, f"transfer could not start: {exc}")
                 return

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
+from memsvc.core.swa_radix_cache import swa_tail_start
 from memsvc.limits import MessageLimit
 from memsvc.movers import CHUNK_PAGES
 
@@ -49,14 +51,34 @@ Peer = tuple[bytes, str | None]  # a transfer peer: its connection's routing id,
 
 def listener_limit(pool: KVPool) -> MessageLimit:
     """What a prefill peer may send the listener at once: one data chunk and a small header."""
-    chunk_bytes = CHUNK_PAGES * pool.buffers.layout.bytes_per_page
+    layout = pool.buffers.layout
+    chunk_bytes = CHUNK_PAGES * max(layout.bytes_per_page, layout.swa_bytes_per_page)
     return MessageLimit(max_bytes=chunk_bytes + (1 << 20), max_frames=4, hard_factor=1)
 
 
 def page_geometry(pool: KVPool) -> list[Any]:
     """What must agree between two pools for their pages to be interchangeable."""
     layout = pool.buffers.layout
-    return [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size, layout.dtype]
+    geometry = [layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size]
+    geometry.append(layout.dtype)
+    if layout.is_hybrid:  # the same layers in each pool, the same window
+        geometry += [list(layout.layer_types), layout.sliding_window]
+    return geometry
+
+
+def swa_window_pages(pool: KVPool, pages: np.ndarray, num_tokens: int) -> np.ndarray | None:
+    """A hybrid pool's SWA-pool pages of the window of ``num_tokens`` positions on full
+    ``pages`` (from ``floor_page(max(0, num_tokens - W))``, the SWA tail the next query
+    reads); None without sliding layers. Raises if one has no SWA page (freed)."""
+    layout = pool.layout
+    f2s = pool.buffers.full_to_swa_page
+    if not layout.is_hybrid or f2s is None:
+        return None
+    swa_from = swa_tail_start(num_tokens, layout.sliding_window, layout.page_size)
+    swa_pages = f2s[pages[swa_from // layout.page_size :]].astype(np.int64)
+    if not swa_pages.all():
+        raise InvalidArgumentError("a page of the request's window has no SWA KV (freed)")
+    return swa_pages
 
 
 @dataclass
@@ -80,6 +102,9 @@ class Room:
     started: float = 0.0
     # decode side
     chunks: dict[int, int] = field(default_factory=dict)  # zmq: first page -> pages received
+    # hybrid models: this side's SWA-pool pages of the window (see swa_window_pages)
+    swa_pages: np.ndarray | None = None
+    swa_chunks: dict[int, int] = field(default_factory=dict)  # zmq: as chunks, SWA pages
     bytes: int = 0
     owner: int = 0  # the memsvc session whose request this is
     peer: Peer | None = None  # decode side: the peer whose query opened the room

@@ -107,14 +107,3 @@ def test_metrics_export_the_swa_pool(service: MemService) -> None:
     assert registry.get_sample_value("memsvc_tokens", {"state": "available"}) == 56
     c.ok("free_row", rid="a")
     c.ok("check", idle=True)
-
-
-def test_pd_transfer_refuses_a_hybrid_pool(service: MemService) -> None:
-    from memsvc.core.errors import InvalidArgumentError
-    from memsvc.transfer import TransferAgent
-
-    with pytest.raises(InvalidArgumentError, match="SWA"):
-        TransferAgent(
-            service.pool, role="decode", backend="zmq", epoch="e", listen="tcp://127.0.0.1:0"
-        )
-    service.pool.check_integrity(idle=True)
