@@ -36,6 +36,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "p50": percentile(result.latencies, 0.50),
         "p99": percentile(result.latencies, 0.99),
         "seconds": result.seconds,
+        "capacity": result.capacity,
+        "peak_used": max((x.used for x in result.samples), default=0),
+        "swa_capacity": result.swa_capacity,
+        "peak_swa_used": max((x.swa_used or 0 for x in result.samples), default=0)
+        if result.swa_capacity is not None
+        else None,
     }
 
 
@@ -52,6 +58,13 @@ TABLE_ROWS = [
     ("p50 latency (s)", "p50", "{:.2f}"),
     ("p99 latency (s)", "p99", "{:.2f}"),
     ("wall time (s)", "seconds", "{:.1f}"),
+    ("KV pool tokens", "capacity", "{:,d}"),
+    ("peak KV tokens held", "peak_used", "{:,d}"),
+]
+# Shown when a run's model is hybrid (sliding-window layers): its second pool.
+SWA_ROWS = [
+    ("SWA pool tokens", "swa_capacity", "{:,d}"),
+    ("peak SWA tokens held", "peak_swa_used", "{:,d}"),
 ]
 
 
@@ -61,8 +74,14 @@ def render_table(summaries: dict[str, dict[str, Any]]) -> Table:
     table.add_column("measure")
     for mode in summaries:
         table.add_column(mode, justify="right")
-    for label, key, fmt in TABLE_ROWS:
-        table.add_row(label, *(fmt.format(s[key]) for s in summaries.values()))
+    rows = TABLE_ROWS
+    if any(s.get("swa_capacity") is not None for s in summaries.values()):
+        rows = [*TABLE_ROWS, *SWA_ROWS]
+    for label, key, fmt in rows:
+        table.add_row(
+            label,
+            *("-" if s.get(key) is None else fmt.format(s[key]) for s in summaries.values()),
+        )
     return table
 
 

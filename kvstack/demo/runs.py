@@ -45,11 +45,12 @@ CALIBRATION_LEN = 192  # prompt tokens of the request that measures prefill spee
 @dataclass
 class Sample:
     t: float  # seconds since the run started
-    used: int  # capacity - available: tokens held by requests or cached
+    used: int  # capacity - available: tokens held by requests or cached (the full pool's)
     evictable: int
     new_token_ratio: float
     queues: dict[str, int]
     retract_events: int
+    swa_used: int | None = None  # a hybrid model's SWA pool, held or cached (else None)
 
 
 class Sampler:
@@ -66,8 +67,10 @@ class Sampler:
         self.on_sample = on_sample
         self.samples: list[Sample] = []
         self.mem = MemClient(mem_address, heartbeat=False, timeout_s=2.0, retries=0)
-        self.capacity = self.mem.layout.capacity_tokens
-        self.bytes_per_token = self.mem.layout.bytes_per_token
+        layout = self.mem.layout
+        self.capacity = layout.capacity_tokens
+        self.swa_capacity = layout.swa_capacity_tokens if layout.is_hybrid else None
+        self.bytes_per_token = layout.bytes_per_token
         self.sched = GenerateClient(sched_address, timeout_s=2.0)
         self.t0 = time.monotonic()
         self._stop = threading.Event()
@@ -95,13 +98,17 @@ class Sampler:
         self.mem.heartbeat()  # every reply carries the pool's sizes
         sizes = self.mem.sizes
         info = self.sched.info()
+        # a hybrid pool's ``available`` is the smaller pool's; each pool has its own
+        full = sizes.available if sizes.full_available is None else sizes.full_available
+        swa = sizes.swa_available
         sample = Sample(
             t=time.monotonic() - self.t0,
-            used=self.capacity - sizes.available,
+            used=self.capacity - full,
             evictable=sizes.evictable,
             new_token_ratio=float(info["new_token_ratio"]),
             queues=queue_lengths(info),
             retract_events=int(info["stats"]["retract_events"]),
+            swa_used=None if self.swa_capacity is None or swa is None else self.swa_capacity - swa,
         )
         self.samples.append(sample)
         self.on_sample(sample)
@@ -129,6 +136,7 @@ class RunResult:
     stats: dict[str, Any]  # the scheduler's (the decode node's, in PD mode) engine stats
     bytes_per_token: int = 0
     capacity: int = 0
+    swa_capacity: int | None = None  # a hybrid model's SWA pool (None: one pool)
     samples: list[Sample] = field(default_factory=list)
     prefill_tokens_per_s: float = 0.0  # measured on the reference run only
     retractions: dict[str, int] = field(default_factory=dict)  # rid -> times retracted
@@ -182,6 +190,7 @@ def measured_run(
         result = asyncio.run(drive(front, reqs, progress, task))
     result.name, result.samples = name, sampler.samples
     result.bytes_per_token, result.capacity = sampler.bytes_per_token, sampler.capacity
+    result.swa_capacity = sampler.swa_capacity
     progress.update(task, retracts=result.stats["retract_events"])
     return result
 
