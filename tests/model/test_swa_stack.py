@@ -163,3 +163,18 @@ def test_one_pool_for_every_layer_gives_the_same_tokens(launcher, swa_checkpoint
     mine, want = outputs(got, oracle["hybrid"])
     assert mine == want
     check_idle_pools(stack, hybrid=False)
+
+
+def test_kvstack_up_gives_every_memsvc_the_checkpoints_windows(swa_checkpoints, tmp_path) -> None:
+    """``kvstack up``'s process list (normal and PD): each memsvc gets the layout flags."""
+    from kvstack.stack.spec import StackOptions, build_process_list
+
+    path = str(swa_checkpoints["hybrid"])
+    for mode in ("normal", "pd"):
+        specs = build_process_list(mode, tmp_path, StackOptions(checkpoint=path))
+        mems = [s for s in specs if s.kind == "memsvc"]
+        assert len(mems) == (1 if mode == "normal" else 2)
+        for spec in mems:
+            flags = given_flags(list(spec.command))
+            assert flags["--layer-types"] == ",".join(HYBRID_LAYER_TYPES)
+            assert flags["--sliding-window"] == str(WINDOW)
