@@ -113,7 +113,10 @@ def test_both_stacks_replied_alike_and_the_figures_add_up(quick: dict[str, Any])
             # every prompt token was a hit or computed (more where a retraction recomputed)
             assert figures["prefill_tokens"] >= figures["prompt_tokens"] - figures["cached_tokens"]
         assert cell["radix"]["hit_tokens"]["host"] == cell["radix"]["hit_tokens"]["storage"] == 0
-        if cell["working_set_over_pool"] < 1:  # roomy: both trees keep everything
+        # Roomy: both trees keep everything. (The quick cell's two chats: the second
+        # starts after the first's first token; two others that started together
+        # could still batch a shared page beyond the system prompt.)
+        if cell["working_set_over_pool"] < 1:
             assert cell["hicache"]["prefill_tokens"] == cell["radix"]["prefill_tokens"]
             assert cell["hicache"]["cached_tokens"] == cell["radix"]["cached_tokens"]
 
