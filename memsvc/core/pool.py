@@ -57,6 +57,7 @@ from memsvc.core.req_to_token import ReqToTokenTable
 from memsvc.core.request_prefix import RequestPrefixes, TierMatch, as_token_array
 from memsvc.core.retract import RetractResult, retract_until_fits
 from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.core.swa_hicache import SWAHiRadixCache
 from memsvc.core.swa_host_store import HybridHostStore
 from memsvc.core.swa_radix_cache import SWARadixCache
 from memsvc.core.swa_window import SWAWindows
@@ -121,11 +122,17 @@ class KVPool(HostStoreOps):
             self.tree: PrefixCache
             self.hicache: HiRadixCache | None = None
             if hicache is not None and layout.is_hybrid:
-                raise InvalidArgumentError(
-                    "the hierarchical cache has no SWA pool yet: a hybrid (sliding-window) "
-                    "model runs without --enable-hierarchical-cache"
+                # host copies keep the SWA KV too (memsvc/core/swa_hicache.py)
+                assert isinstance(self.allocator, SWAPageAllocator)
+                if disable_radix_cache:
+                    raise InvalidArgumentError(
+                        "the hierarchical cache needs the radix cache (drop --disable-radix-cache)"
+                    )
+                self.tree = self.hicache = SWAHiRadixCache(
+                    self.allocator, self.buffers, hicache, layout.sliding_window
                 )
-            if layout.is_hybrid:
+                self.swa = SWAWindows(self.table, self.allocator, self.tree, layout.sliding_window)
+            elif layout.is_hybrid:
                 assert isinstance(self.allocator, SWAPageAllocator)
                 self.tree = SWARadixCache(
                     self.allocator, layout.sliding_window, disabled=disable_radix_cache
