@@ -149,6 +149,35 @@ def test_a_device_prefix_keeps_the_match_rule_when_the_host_part_is_not_loaded()
         pool.check_integrity(idle=True)
 
 
+def test_a_victim_retracted_into_the_tree_comes_back_with_its_swa_tail() -> None:
+    with pool_of("write_back") as pool:
+        rows = []
+        for rid, base in (("a", 0), ("v", 500)):
+            rows.append(pool.open_request(rid))
+            slots = pool.alloc_extend([(rid, 30)])
+            f2s = pool.buffers.full_to_swa_page
+            for pos, slot in enumerate(slots.tolist()):
+                pool.buffers.kv[slot // PS, :, :, slot % PS] = value(base + pos, False)
+                pool.buffers.swa_kv[f2s[slot // PS], :, :, slot % PS] = value(base + pos, True)
+        victim_tokens = list(range(500, 530))
+        result = pool.retract(rows, offload=False, retract_decode_steps=1,
+                              to_tree={rows[1]: victim_tokens})  # fmt: skip
+        assert result.to_tree == ["v"] and result.tree_bytes > 0
+        pool.release("a", is_insert=False)
+        pool.evict(pool.capacity)  # the victim's KV is on the host tier alone
+        poison(pool)
+        pool.check_integrity()
+        pool.open_request("v2")
+        match = pool.match_prefix_tiers("v2", victim_tokens)
+        assert match.prefix_len == 28 and match.host_tokens == 28
+        pool.wait_loaded("v2")
+        full, swa = read_hit(pool, "v2", 28)
+        assert full == [value(500 + p, False) for p in range(28)]
+        assert swa == [value(500 + p, True) for p in range(16, 28)]
+        pool.release("v2", is_insert=False)
+        pool.check_integrity(idle=True)
+
+
 def test_a_pure_swa_pool_refuses_the_hierarchical_cache() -> None:
     with pytest.raises(InvalidArgumentError, match="full-attention"):
         pool_of(layer_types=(S, S))
