@@ -21,13 +21,12 @@ full ones asynchronous where asked.
 
 from __future__ import annotations
 
-import mmap
 from typing import Any
 
 import numpy as np
 
 from memsvc.core.allocator import SLOT_DTYPE
-from memsvc.core.backends.base import KVBuffers, page_runs
+from memsvc.core.backends.base import HostPageCopies, KVBuffers
 from memsvc.core.errors import HostStoreFullError, InvalidArgumentError
 from memsvc.core.fence import CopyFence
 from memsvc.core.host_store import HostStore
@@ -49,7 +48,7 @@ def swa_pool_layout(layout: PoolLayout) -> PoolLayout:
     )
 
 
-class SWABuffersView(KVBuffers):
+class SWABuffersView(HostPageCopies, KVBuffers):
     """The SWA pool's buffer (``swa_kv``) with the page copies a :class:`HostStore` uses.
 
     Owns nothing: ``swa_kv`` stays its backend's (closed with it). Slots here are
@@ -73,29 +72,6 @@ class SWABuffersView(KVBuffers):
 
     def write_cells(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
         raise InvalidArgumentError("SWABuffersView has no req_to_token of its own")
-
-    def alloc_host(self, num_pages: int) -> np.ndarray:
-        shape = (num_pages, *self.layout.kv_shape[1:])
-        nbytes = max(num_pages * self.layout.bytes_per_page, 1)
-        return np.frombuffer(
-            mmap.mmap(-1, nbytes), self.layout.storage_dtype, count=int(np.prod(shape))
-        ).reshape(shape)
-
-    def gather_pages(self, pages: np.ndarray, out: np.ndarray) -> None:
-        for index, first, length in page_runs(pages):
-            out[index : index + length] = self.kv[first : first + length]
-
-    def scatter_pages(self, src: np.ndarray, pages: np.ndarray) -> None:
-        for index, first, length in page_runs(pages):
-            self.kv[first : first + length] = src[index : index + length]
-
-    def read_slots(self, slots: np.ndarray) -> np.ndarray:
-        ps = self.layout.page_size
-        return self.kv[slots // ps, :, :, slots % ps]
-
-    def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
-        ps = self.layout.page_size
-        self.kv[slots // ps, :, :, slots % ps] = data
 
     def close(self) -> None:
         """Nothing to release (the backend owns ``swa_kv``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,44 @@ def page_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
     starts = [0, *breaks.tolist()]
     ends = [*breaks.tolist(), pages.size]
     return [(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+class HostPageCopies:
+    """Page and slot copies of a host (numpy) ``kv`` buffer, shared by the shm backend and
+    the host store's view of the SWA pool. Needs ``self.kv`` and ``self.layout``."""
+
+    kv: np.ndarray
+    layout: Any
+
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        # Page-aligned like the pool (an anonymous mapping, not malloc): a
+        # destination 16 bytes past a 4 KiB boundary from its source makes
+        # memcpy hit 4K aliasing and run at a third of its speed.
+        shape = (num_pages, *self.layout.kv_shape[1:])
+        nbytes = max(num_pages * self.layout.bytes_per_page, 1)
+        return np.frombuffer(
+            mmap.mmap(-1, nbytes), self.layout.storage_dtype, count=int(np.prod(shape))
+        ).reshape(shape)
+
+    # Runs of consecutive pages become one slice copy (a memcpy) each; a fresh
+    # pool hands out consecutive pages, so a request is usually a few runs.
+    # (np.take over pages is several times slower than memcpy.)
+
+    def gather_pages(self, pages: np.ndarray, out: np.ndarray) -> None:
+        for index, first, length in page_runs(pages):
+            out[index : index + length] = self.kv[first : first + length]
+
+    def scatter_pages(self, src: np.ndarray, pages: np.ndarray) -> None:
+        for index, first, length in page_runs(pages):
+            self.kv[first : first + length] = src[index : index + length]
+
+    def read_slots(self, slots: np.ndarray) -> np.ndarray:
+        page_size = self.layout.page_size
+        return self.kv[slots // page_size, :, :, slots % page_size]
+
+    def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
+        page_size = self.layout.page_size
+        self.kv[slots // page_size, :, :, slots % page_size] = data
 
 
 class KVBuffers(ABC):

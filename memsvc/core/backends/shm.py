@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from memsvc.core.backends.base import AttachedBuffers, KVBuffers, page_runs
+from memsvc.core.backends.base import AttachedBuffers, HostPageCopies, KVBuffers
 from memsvc.core.errors import BackendUnavailableError, InvalidArgumentError
 from memsvc.core.fence import CopyFence, FutureFence
 from memsvc.core.layout import PoolLayout
@@ -98,7 +98,7 @@ def install_sigterm_cleanup() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
-class ShmBuffers(KVBuffers):
+class ShmBuffers(HostPageCopies, KVBuffers):
     def __init__(self, layout: PoolLayout) -> None:
         if not os.path.isdir(SHM_DIR):
             raise BackendUnavailableError(f"{SHM_DIR} is missing: the shm backend needs Linux")
@@ -147,28 +147,6 @@ class ShmBuffers(KVBuffers):
     def write_cells(self, rows: np.ndarray, positions: np.ndarray, values: np.ndarray) -> None:
         self.req_to_token[rows, positions] = values
 
-    def alloc_host(self, num_pages: int) -> np.ndarray:
-        # Page-aligned like the pool (an anonymous mapping, not malloc): a
-        # destination 16 bytes past a 4 KiB boundary from its source makes
-        # memcpy hit 4K aliasing and run at a third of its speed.
-        shape = (num_pages, *self.layout.kv_shape[1:])
-        nbytes = max(num_pages * self.layout.bytes_per_page, 1)
-        return np.frombuffer(
-            mmap.mmap(-1, nbytes), self.layout.storage_dtype, count=int(np.prod(shape))
-        ).reshape(shape)
-
-    # Runs of consecutive pages become one slice copy (a memcpy) each; a fresh
-    # pool hands out consecutive pages, so a request is usually a few runs.
-    # (np.take over pages is several times slower than memcpy.)
-
-    def gather_pages(self, pages: np.ndarray, out: np.ndarray) -> None:
-        for index, first, length in page_runs(pages):
-            out[index : index + length] = self.kv[first : first + length]
-
-    def scatter_pages(self, src: np.ndarray, pages: np.ndarray) -> None:
-        for index, first, length in page_runs(pages):
-            self.kv[first : first + length] = src[index : index + length]
-
     def copy_out_async(self, slots: np.ndarray, out: np.ndarray) -> CopyFence:
         """The copy runs on one copy thread (numpy releases the GIL while it
         copies), so copies finish in issue order."""
@@ -182,14 +160,6 @@ class ShmBuffers(KVBuffers):
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         return FutureFence(self._copier.submit(fn, *args))
-
-    def read_slots(self, slots: np.ndarray) -> np.ndarray:
-        page_size = self.layout.page_size
-        return self.kv[slots // page_size, :, :, slots % page_size]
-
-    def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
-        page_size = self.layout.page_size
-        self.kv[slots // page_size, :, :, slots % page_size] = data
 
     def close(self) -> None:
         if not self._finalizer.alive:
