@@ -180,7 +180,7 @@ class HiRadixCache(TieredTree):
         why = None
         if tail_len < LOAD_BACK_THRESHOLD:
             why = "threshold"
-        elif not self.cost.worth_loading(tail_len, num_pages * self.page_bytes):
+        elif not self.cost.worth_loading(tail_len, self._load_bytes(tail)):
             why = "cost"
         if why is not None:
             self.stats.load_skips[why] += 1
@@ -198,6 +198,10 @@ class HiRadixCache(TieredTree):
         finally:
             self.unlock(last_device)
         return tail
+
+    def _load_bytes(self, tail: list[TreeNode]) -> int:
+        """The bytes loading ``tail`` back copies (the cost model's ``tail_bytes``)."""
+        return sum(len(n.key) for n in tail) // self.page_size * self.page_bytes
 
     def _count_hits(self, nodes: Iterable[TreeNode], protect: set[int]) -> None:
         selective = self.write_policy == WritePolicy.WRITE_THROUGH_SELECTIVE

@@ -68,7 +68,7 @@ class TieredTree(RadixCache):
         self.write_policy = config.write_policy
         page_bytes = buffers.layout.bytes_per_page
         self.page_bytes = page_bytes
-        self.host = HostTier(buffers, config.host_pages(allocator.num_pages, page_bytes))
+        self.host = HostTier(buffers, self._host_num_pages(config, allocator.num_pages))
         try:
             if storage is None and config.storage_backend is not None:
                 storage = create_storage(config, page_bytes)
@@ -83,12 +83,20 @@ class TieredTree(RadixCache):
         self._storage_keys: set[str] = set()
         self.stats = HiCacheStats()
         self.copies = TierCopies(buffers, allocator, self.host, self.stats)
-        self.cost = LoadCostModel.for_config(config, buffers, self.host.arena, allocator.num_pages)
+        self.cost = self._cost_model(config, allocator.num_pages)
         # Each tier's eviction candidates (evict_heap.py): device leaves, host copies,
         # storage copies that may go.
         self._free_leaves = EvictionHeap(lru_rank, self._is_device_leaf)
         self._host_heap = EvictionHeap(_host_rank, self._host_evictable)
         self._storage_heap = EvictionHeap(lru_rank, self._storage_evictable)
+
+    def _host_num_pages(self, config: HiCacheConfig, device_pages: int) -> int:
+        """The host tier's pages (a subclass whose pages hold more KV sizes it otherwise)."""
+        return config.host_pages(device_pages, self.page_bytes)
+
+    def _cost_model(self, config: HiCacheConfig, device_pages: int) -> LoadCostModel:
+        """The load-or-recompute model, its copy path timed on the host tier's copies."""
+        return LoadCostModel.for_config(config, self.buffers, self.host.arena, device_pages)
 
     def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
         self._num_nodes_created += 1

@@ -17,11 +17,18 @@ page-aligned length whose SWA tail (the last ``W`` tokens, page aligned) holds S
 in the tier it is loaded from: a host or storage hit restores a prefix together with
 its SWA tail, or it is not a hit. The SWA host arena has as many pages as the host
 tier (a host SWA page always belongs to a node with a host copy).
+
+A pure sliding-window layout (every layer windowed) works the same way with full pages
+of no bytes: a host copy is its SWA KV alone (full host pages are ids, 0-byte copies),
+the host tier is sized and the load cost model timed by SWA bytes, and the storage tier
+is refused (it would hold full KV only: nothing). The cost model prices a load at its
+full bytes plus the SWA bytes its host copies hold (:meth:`_load_bytes`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +36,7 @@ from memsvc.core.backends.base import KVBuffers, page_runs
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
 from memsvc.core.hicache import HiRadixCache, HiTreeNode
 from memsvc.core.hicache_config import HiCacheConfig
+from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HostTier
 from memsvc.core.prefix_cache import CacheHit
 from memsvc.core.radix_cache import TreeNode
@@ -71,17 +79,50 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
     ) -> None:
         if sliding_window < 1:
             raise InvalidArgumentError(f"sliding_window must be >= 1, got {sliding_window}")
-        if not buffers.layout.bytes_per_page:
+        self._swa_view = SWABuffersView(buffers)
+        self._swa_page_bytes = self._swa_view.layout.bytes_per_page
+        # A pure sliding-window layout: full pages hold no bytes (every position still
+        # gets a full page id); a prefix's KV is its SWA tail's alone.
+        self.pure_swa = not buffers.layout.bytes_per_page
+        if self.pure_swa and (storage is not None or config.storage_backend is not None):
             raise InvalidArgumentError(
-                "the hierarchical cache needs a full-attention layer (a pure sliding-window "
-                "model runs without --enable-hierarchical-cache)"
+                "the hierarchical cache's storage tier keeps full KV only, and a pure "
+                "sliding-window model has none (drop --hicache-storage-backend)"
             )
         HiRadixCache.__init__(self, allocator, buffers, config, storage=storage)
         self.sliding_window = sliding_window
         self._pins = np.zeros(allocator.num_pages + 1, dtype=np.int32)
         self._num_pinned_pages = 0
-        self.swa_host = HostTier(SWABuffersView(buffers), self.host.num_pages)
+        self.swa_host = HostTier(self._swa_view, self.host.num_pages)
         self._swa_kv = buffers.swa_kv
+        if self.pure_swa:  # a load copies SWA pages alone: time that copy
+            self.cost = LoadCostModel.for_config(
+                config, self._swa_view, self.swa_host.arena, allocator.swa.num_pages
+            )
+
+    def _host_num_pages(self, config: HiCacheConfig, device_pages: int) -> int:
+        if self.pure_swa:  # the host tier's bytes are its SWA arena's
+            return config.host_pages(device_pages, self._swa_page_bytes)
+        return super()._host_num_pages(config, device_pages)
+
+    def _cost_model(self, config: HiCacheConfig, device_pages: int) -> LoadCostModel:
+        if self.pure_swa:  # no full bytes to time: __init__ times the SWA copy instead
+            return LoadCostModel(enabled=False, copy_latency_s=0.0, copy_bytes_per_s=1.0)
+        return super()._cost_model(config, device_pages)
+
+    def _load_bytes(self, tail: list[TreeNode]) -> int:
+        """Full bytes of every page plus the SWA bytes of the pages whose host copy has them."""
+        return super()._load_bytes(tail) + self._swa_page_bytes * sum(
+            int((n.host_swa >= 0).sum())
+            for n in tail
+            if n.host_pages is not None and n.host_swa is not None
+        )
+
+    def stats_dict(self) -> dict[str, Any]:
+        out = super().stats_dict()
+        out["swa_host_capacity_bytes"] = self.swa_host.num_pages * self._swa_page_bytes
+        out["swa_host_used_bytes"] = self.swa_host.used_pages * self._swa_page_bytes
+        return out
 
     def _new_node(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None) -> TreeNode:
         self._num_nodes_created += 1
@@ -132,6 +173,7 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
         if pages is not None:  # (always: one SWA host page per host page at most)
             host_swa[held] = pages
             self.swa_host.arena[pages] = self._swa_kv[swa_pages[held]]
+            self.stats.backup_bytes += pages.size * self._swa_page_bytes
         node.host_swa = host_swa
         return True
 
@@ -163,6 +205,7 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
             for index, first, length in page_runs(host):
                 dest = swa_pages[index : index + length]
                 self._swa_kv[dest] = self.swa_host.arena[first : first + length]
+            self.stats.load_bytes += host.size * self._swa_page_bytes
         self.allocator.free_swa_pages(pages[~has])
 
     # -- integrity --------------------------------------------------------------------

@@ -15,6 +15,7 @@ from memsvc.core import KVPool, PoolLayout
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.hicache import HiCacheConfig
 from memsvc.core.swa_hicache import SWAHiRadixCache
+from memsvc.core.swa_host_store import swa_pool_layout
 from tests.core.test_swa_pool_properties import BASE_PROMPTS, SWAPoolMachine
 
 F, S = "full_attention", "sliding_attention"
@@ -35,15 +36,22 @@ def pool_of(policy: str = "write_through", layer_types=(S, F, S), storage_dir=No
         max_context_len=128,
         dtype="float32",
     )
+    page_bytes = host_page_bytes(layout)
     config = HiCacheConfig(
-        size_bytes=32 * max(layout.bytes_per_page, 1),
+        size_bytes=32 * page_bytes,
         write_policy=policy,
         disable_load_cost_model=True,
         storage_backend="file" if storage_dir else None,
         storage_dir=str(storage_dir) if storage_dir else "/nonexistent",
-        storage_size_bytes=64 * max(layout.bytes_per_page, 1),
+        storage_size_bytes=64 * page_bytes,
     )
     return KVPool(layout, hicache=config)
+
+
+def host_page_bytes(layout: PoolLayout) -> int:
+    """The bytes the host tier's size counts per page: the full pool's, or (a pure
+    sliding-window layout, whose full pages hold nothing) the SWA pool's."""
+    return layout.bytes_per_page or swa_pool_layout(layout).bytes_per_page
 
 
 def value(pos: int, swa: bool) -> float:
@@ -74,7 +82,10 @@ def poison(pool: KVPool) -> None:
 def read_hit(pool: KVPool, rid: str, hit: int) -> tuple[list[float], list[float]]:
     slots = pool.slots(rid, 0, hit)
     f2s = pool.buffers.full_to_swa_page
-    full = pool.buffers.kv[slots // PS, 0, 0, slots % PS, 0, 0].tolist()
+    if pool.buffers.kv.shape[1]:
+        full = pool.buffers.kv[slots // PS, 0, 0, slots % PS, 0, 0].tolist()
+    else:  # a pure sliding-window pool: full pages hold nothing, as written
+        full = [value(p, False) for p in range(hit)]
     tail = slots[max(0, hit - W) // PS * PS :]
     assert f2s[tail // PS].all(), "the hit's SWA tail has no SWA pages"
     swa = pool.buffers.swa_kv[f2s[tail // PS], 0, 0, tail % PS, 0, 0].tolist()
@@ -84,9 +95,13 @@ def read_hit(pool: KVPool, rid: str, hit: int) -> tuple[list[float], list[float]
 TOKENS = list(range(100, 140))  # 40 tokens, 10 pages
 
 
+PURE = (S, S)  # every layer windowed (Mistral): the full pool holds no bytes
+
+
+@pytest.mark.parametrize("layer_types", [(S, F, S), PURE], ids=["hybrid", "pure"])
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_a_host_hit_reloads_the_swa_tail(policy: str) -> None:
-    with pool_of(policy) as pool:
+def test_a_host_hit_reloads_the_swa_tail(policy: str, layer_types) -> None:
+    with pool_of(policy, layer_types=layer_types) as pool:
         assert isinstance(pool.tree, SWAHiRadixCache)
         run(pool, "a", TOKENS)
         pool.evict(pool.capacity)  # every node off the device, its host copy kept
@@ -178,9 +193,35 @@ def test_a_victim_retracted_into_the_tree_comes_back_with_its_swa_tail() -> None
         pool.check_integrity(idle=True)
 
 
-def test_a_pure_swa_pool_refuses_the_hierarchical_cache() -> None:
-    with pytest.raises(InvalidArgumentError, match="full-attention"):
-        pool_of(layer_types=(S, S))
+def test_a_pure_swa_pool_refuses_the_storage_tier(tmp_path) -> None:
+    """Storage copies keep full KV alone: a pure sliding-window model has none."""
+    with pytest.raises(InvalidArgumentError, match="storage tier"):
+        pool_of(layer_types=PURE, storage_dir=tmp_path / "store")
+
+
+def test_a_pure_swa_host_hit_costs_its_swa_bytes() -> None:
+    """The host tier of a pure sliding-window pool is sized by SWA bytes; a load copies
+    (and the cost model prices) the SWA pages its host copy holds, no full bytes."""
+    with pool_of("write_back", layer_types=PURE) as pool:
+        tree = pool.tree
+        swa_page = swa_pool_layout(pool.layout).bytes_per_page
+        assert pool.layout.bytes_per_page == 0 and tree.host.num_pages == 32
+        run(pool, "a", TOKENS)
+        pool.evict(pool.capacity)
+        assert tree.stats.backup_bytes == 10 * swa_page  # its 10 SWA pages, no full bytes
+        path, _ = tree._walk(tree._as_key(TOKENS[:36]))  # (splits the node at 36)
+        assert tree._load_bytes(path) == 9 * swa_page
+        before = tree.stats.load_bytes
+        pool.open_request("b")
+        assert pool.match_prefix_tiers("b", TOKENS[:39]).host_tokens == 36
+        pool.wait_loaded("b")
+        assert tree.stats.load_bytes - before == 9 * swa_page
+        assert tree.stats_dict()["swa_host_used_bytes"] == 10 * swa_page
+        pool.release("b", is_insert=False)
+        pool.check_integrity(idle=True)
+        pool.flush_cache()
+        pool.check_integrity(idle=True)
+        assert tree.swa_host.used_pages == 0 and tree.host.used_pages == 0
 
 
 def test_a_storage_only_node_is_not_a_hit(tmp_path) -> None:
@@ -213,11 +254,12 @@ class SWAHiCacheMachine(SWAPoolMachine):
         window=st.integers(1, 12),
         swa_tokens=st.sampled_from([24, 48, 96]),
         policy=st.sampled_from(["write_through", "write_back"]),
+        pure=st.booleans(),
     )
-    def setup(self, page_size: int, window: int, swa_tokens: int, policy: str) -> None:
-        layout = hybrid_pool_layout(page_size, window, swa_tokens // page_size)
+    def setup(self, page_size: int, window: int, swa_tokens: int, policy: str, pure: bool) -> None:
+        layout = hybrid_pool_layout(page_size, window, swa_tokens // page_size, pure=pure)
         config = HiCacheConfig(
-            size_bytes=(256 // page_size) * layout.bytes_per_page,
+            size_bytes=(256 // page_size) * host_page_bytes(layout),
             write_policy=policy,
             disable_load_cost_model=True,
         )
@@ -282,10 +324,10 @@ class SWAHiCacheMachine(SWAPoolMachine):
         self.pool.tree.evict_host(num_pages)
 
 
-def hybrid_pool_layout(page_size: int, window: int, swa_pages: int) -> PoolLayout:
+def hybrid_pool_layout(page_size: int, window: int, swa_pages: int, *, pure=False) -> PoolLayout:
     return PoolLayout(
         num_layers=3,
-        layer_types=(S, F, S),
+        layer_types=(S, S, S) if pure else (S, F, S),
         sliding_window=window,
         swa_num_pages=swa_pages,
         num_kv_heads=1,
