@@ -355,6 +355,8 @@ class KVPool(HostStoreOps):
             cut = self.settle_loads(rid for rid, _ in items)
             if cut:
                 raise PrefixCutError.of(cut)
+        if self.swa is not None:  # the pages this allocation frees, first: it may use them
+            self.swa.release(np.array([self._reqs[rid].row for rid, n in items if n]))
         if evict:
             self.ensure_available(total_pages * self.page_size)
         if total_pages > self.allocator.num_free_pages:
@@ -384,6 +386,9 @@ class KVPool(HostStoreOps):
 
     def check_decode_mem(self, rids: Iterable[str]) -> bool:
         """Evict the shortfall for the next decode step, then say whether it fits."""
+        rids = list(rids)
+        if self.swa is not None:  # what the step's allocation frees first (alloc_decode_rows)
+            self.swa.release(np.array([self.request(rid).row for rid in rids], dtype=np.int64))
         needed = self.decode_tokens_required(rids)
         self.ensure_available(needed)
         return self.available_size() >= needed
@@ -403,6 +408,10 @@ class KVPool(HostStoreOps):
         (see :mod:`memsvc.core.decode_rows`); ``rows_checked`` skips
         :meth:`check_rows` when the caller just ran it."""
         make_room = self.ensure_available if evict else None
+        if self.swa is not None:  # the pages this allocation frees, first: it may use them
+            if not rows_checked:
+                rows, rows_checked = self.check_rows(rows), True
+            self.swa.release(rows)
         slots = self._rows.allocate(rows, make_room=make_room, rows_checked=rows_checked)
         if self.swa is not None and slots is not None:
             rows = np.asarray(rows, dtype=np.int64)
@@ -414,6 +423,8 @@ class KVPool(HostStoreOps):
         return self._rows.check(rows)
 
     def check_decode_mem_rows(self, rows: np.ndarray) -> bool:
+        if self.swa is not None:  # what the step's allocation frees first (alloc_decode_rows)
+            self.swa.release(rows)
         needed = self.decode_tokens_required_rows(rows)
         self.ensure_available(needed)
         return self.available_size() >= needed

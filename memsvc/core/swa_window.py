@@ -84,12 +84,21 @@ class SWAWindows:
 
     def allocated(self, rows: np.ndarray, starts: np.ndarray) -> None:
         """``rows`` were each given positions from ``starts`` on: free the SWA pages that
-        left every window still to run (see the module docstring), in one free."""
+        left every window still to run (see the module docstring), in one free. The
+        allocation's caller frees them first (:meth:`release`), so it can use them."""
         rows = np.asarray(rows, dtype=np.int64)
         starts = np.asarray(starts, dtype=np.int64)
-        new = np.maximum(self.frontier(self.alloc_starts[rows]), self.evicted_lens[rows])
+        self.release(rows)
         self.prev_starts[rows] = self.alloc_starts[rows]
         self.alloc_starts[rows] = starts
+
+    def release(self, rows: np.ndarray) -> None:
+        """Before ``rows`` are given new positions: free the SWA pages below the window
+        of each row's latest allocation (the oldest batch that may still run once the
+        new one is allocated), and unpin the tree pages there (then evictable). The
+        pages an allocation for ``rows`` frees, freed before it is judged."""
+        rows = np.asarray(rows, dtype=np.int64)
+        new = np.maximum(self.frontier(self.alloc_starts[rows]), self.evicted_lens[rows])
         advancing = np.flatnonzero(new > self.evicted_lens[rows])
         if not advancing.size:
             return
@@ -119,8 +128,13 @@ class SWAWindows:
 
     def dropped(self, row: int) -> None:
         """The row's latest allocation (a decode slot reserved ahead) was handed back
-        unwritten: it never ran, so the allocation before it is the latest again."""
-        self.alloc_starts[row] = self.prev_starts[row]
+        unwritten: it never ran, so the allocation before it is the latest again. Unless
+        a later allocation call (that did not fit) already freed below the dropped one's
+        window (:meth:`release`): the one before it had run by then, so the dropped one
+        stays the latest (its start is where the row's next position goes)."""
+        prev = self.prev_starts[row : row + 1]
+        if self.evicted_lens[row] <= self.frontier(prev)[0]:
+            self.alloc_starts[row] = self.prev_starts[row]
 
     # -- internals ---------------------------------------------------------------------
 

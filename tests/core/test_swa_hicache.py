@@ -268,6 +268,7 @@ class SWAHiCacheMachine(SWAPoolMachine):
         self.seqs = {}
         self.starts = {}
         self.reserved = set()
+        self.tried = set()
         self.counter = 0
         self.released: list[list[int]] = []  # the KV'd tokens of requests released to the tree
 

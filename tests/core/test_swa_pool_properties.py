@@ -78,6 +78,7 @@ class SWAPoolMachine(RuleBasedStateMachine):
         self.seqs: dict[str, list[int]] = {}
         self.starts: dict[str, list[int]] = {}  # rid -> its allocations' starts, in order
         self.reserved: set[str] = set()  # rids whose last allocation was one decode step
+        self.tried: set[str] = set()  # reserved rids an allocation since did not fit
         self.counter = 0
 
     def teardown(self) -> None:
@@ -156,12 +157,21 @@ class SWAPoolMachine(RuleBasedStateMachine):
         num_tokens = min(num_tokens, len(self.seqs[rid]) - req.kv_len)
         start = req.kv_len
         needed = self.pool.extend_tokens_required([(rid, num_tokens)])
+        if num_tokens:
+            # an allocation frees what left the latest allocation's window first (the one
+            # before it has run by then), and may use it, whether it then fits or not
+            self.pool.swa.release(np.array([req.row]))
+            self.starts[rid] = self.starts[rid][-1:]
+            self.expect_kv(rid)
         full_budget, swa_budget = self.budgets()
         slots = self.pool.alloc_extend([(rid, num_tokens)])
         assert (slots is not None) == (needed <= min(full_budget, swa_budget))
+        if slots is None and num_tokens and rid in self.reserved:
+            self.tried.add(rid)
         if slots is not None and num_tokens:
             self.starts[rid].append(start)
             self.reserved.discard(rid)
+            self.tried.discard(rid)
             self.write_kv(rid, start, slots)
 
     @rule(data=st.data())
@@ -173,9 +183,16 @@ class SWAPoolMachine(RuleBasedStateMachine):
             return
         batch = data.draw(st.lists(st.sampled_from(rids), min_size=1, unique=True))
         starts = [self.pool.request(r).kv_len for r in batch]
-        fits = self.pool.check_decode_mem(batch)
+        fits = self.pool.check_decode_mem(batch)  # frees what left the latest windows first
+        for rid in batch:
+            self.starts[rid] = self.starts[rid][-1:]
+            self.expect_kv(rid)
         slots = self.pool.alloc_decode(batch)
         assert (slots is not None) == fits
+        if slots is None:
+            self.tried.update(self.reserved.intersection(batch))
+        else:
+            self.tried.difference_update(batch)
         if slots is not None:
             for rid, start, slot in zip(batch, starts, slots, strict=True):
                 self.starts[rid].append(start)
@@ -195,8 +212,11 @@ class SWAPoolMachine(RuleBasedStateMachine):
             return  # the last allocation was not one decode step (reserved ahead)
         self.pool.cache_unfinished(rid, self.seqs[rid][: req.kv_len - 1])
         self.reserved.discard(rid)
-        # it never ran; the step before it may still be running, the ones before that not
-        self.starts[rid] = self.starts[rid][-2:-1]
+        # it never ran; the step before it may still be running, the ones before that not;
+        # unless an allocation since (that did not fit) found that one had run
+        if rid not in self.tried:
+            self.starts[rid] = self.starts[rid][-2:-1]
+        self.tried.discard(rid)
 
     @rule(rid=consumes(open_rids), is_insert=st.booleans())
     def release(self, rid: str, is_insert: bool) -> None:
@@ -226,6 +246,7 @@ class SWAPoolMachine(RuleBasedStateMachine):
             assert slots.size == kv_len
             self.starts[rid] = [kv_len]
         self.reserved.discard(rid)
+        self.tried.discard(rid)
 
     @rule(num_tokens=st.integers(0, 48))
     def evict(self, num_tokens: int) -> None:

@@ -223,3 +223,26 @@ def test_the_valid_match_length_is_the_longest_end_whose_tail_holds_swa(
 
     want = max((end for end in range(len(has_swa) + 1) if tail_held(end)), default=0)
     assert tree.swa_valid_len(slots) == want * page_size
+
+
+def test_an_allocation_may_use_the_swa_pages_it_frees() -> None:
+    """One-page chunks on a 4-page SWA pool (W = 8): the chunk at 16 follows the one at 12,
+    whose window starts at 5: the page of 0..3 is freed before the chunk at 16 is judged,
+    so it fits (freed after it, as before, it never would: the pool holds 0..15)."""
+    with pool_of(swa_num_pages=4) as pool:
+        pool.open_request("a")
+        row = pool.request("a").row
+        for _ in range(4):
+            assert pool.alloc_extend([("a", PS)]) is not None
+        assert pool.swa_available_size() == 0
+        for start in range(16, 40, PS):
+            assert pool.alloc_extend([("a", PS)]) is not None, start
+            # the window of the chunk before (start - PS) starts at start - PS + 1 - W
+            assert int(pool.swa.evicted_lens[row]) == (start - PS + 1 - W) // PS * PS
+            pool.check_integrity()
+        # then decode: each step may use what it frees too
+        for _ in range(6):
+            assert pool.alloc_decode(["a"]) is not None
+            pool.check_integrity()
+        pool.release("a", is_insert=False)
+        pool.check_integrity(idle=True)
