@@ -90,6 +90,10 @@ def new_req(
     request must fit too.
     """
     check_fits(len(input_ids), capacity, page_size)
+    sampling = msg.sampling
+    max_new = clamp_max_new_tokens(len(input_ids), sampling.max_new_tokens, capacity, page_size)
+    if mode == "prefill":
+        max_new = min(max_new, 1)  # the decode node generates the rest
     if swa is not None:
         check_swa_fits(
             len(input_ids),
@@ -97,11 +101,9 @@ def new_req(
             mode=mode,
             reserved=config.num_reserved_decode_tokens if config else 0,
             chunked_prefill_size=config.chunked_prefill_size if config else None,
+            # what admission's SWA check reserves for the output (min(max_new, clip))
+            max_new_tokens=min(max_new, config.clip_max_new_tokens) if config else 1,
         )
-    sampling = msg.sampling
-    max_new = clamp_max_new_tokens(len(input_ids), sampling.max_new_tokens, capacity, page_size)
-    if mode == "prefill":
-        max_new = min(max_new, 1)  # the decode node generates the rest
     start = msg.logprob_start_len if msg.return_logprob else -1
     if msg.return_logprob and start == -1:
         start = len(input_ids)  # SGLang: output logprobs only

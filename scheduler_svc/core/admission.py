@@ -319,10 +319,18 @@ class PrefillAdder:
             return AddDecision(self.budget_state(), 0)
         if swa_limit is not None:
             limit = swa_limit
+        elif self.swa is not None and self.swa.remaining_swa <= self.page_size:
+            # Nothing running and the SWA budget leaves no page beside the rounding one:
+            # one page. memsvc frees the window's out-of-window SWA pages before it
+            # judges the allocation, and intake refused what this could not fit
+            # (check_swa_fits), so it progresses where the whole chunk never would.
+            limit = self.page_size
         else:
             limit = min(self.rem_chunk_tokens, int(self.remaining_total_tokens))
             if limit <= 0:  # the total budget is gone: the chunk budget alone decides
                 limit = self.rem_chunk_tokens
+            if self.swa is not None:  # nor more than the SWA budget takes
+                limit = min(limit, self.swa.remaining_swa - self.page_size)
         extend_len = min(full_len, limit)
         is_last = extend_len == full_len
         self._reserve(req, prefix_len, extend_len, self.reserved_max_new(req) if is_last else 0)

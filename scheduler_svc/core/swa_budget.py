@@ -23,7 +23,8 @@ D32, D41, D42, D43):
 - :func:`prealloc_required_tokens`, :func:`swa_allocatable_tokens`,
   :func:`need_swa_single`: PD decode pre-allocation and resume (D41-D43);
 - :func:`check_swa_fits`: the intake refusal (400) of a request whose SWA
-  requirement exceeds the SWA pool.
+  requirement exceeds the SWA pool, or (chunked) whose one-page progress does
+  not fit it (:func:`swa_chunk_progress_tokens`).
 """
 
 from __future__ import annotations
@@ -382,6 +383,7 @@ def swa_requirement(
     mode: str,
     reserved: int = 0,
     chunked_prefill_size: int | None = None,
+    max_new_tokens: int = 1,
 ) -> int:
     """The SWA slots a request with an ``input_len``-token prompt needs at once, alone.
 
@@ -389,7 +391,8 @@ def swa_requirement(
     of :func:`prealloc_required_tokens` (tail prealloc only; without it the
     prompt itself, as SGLang caps the pool at the SWA pool's size then).
     Otherwise: admission's SWA reservation (:class:`SwaPrefillGate`) of the
-    prompt with one token of output; with chunked prefill, of its smallest
+    prompt with ``max_new_tokens`` of output (what admission checks:
+    ``min(max_new, clip)``; at least 1); with chunked prefill, of its smallest
     chunk (one page), since the gate cuts the chunk of a request that could
     never fit down to what the pool takes.
     """
@@ -400,7 +403,24 @@ def swa_requirement(
     paged = _ceil_page(input_len, spec.page_size)
     if chunked_prefill_size is not None:
         paged = min(paged, spec.page_size)
-    return estimate_swa_kv_tokens(paged, 1, spec.sliding_window, spec.page_size)
+    output = max(max_new_tokens, 1)
+    return estimate_swa_kv_tokens(paged, output, spec.sliding_window, spec.page_size)
+
+
+def swa_chunk_progress_tokens(input_len: int, spec: SwaSpec) -> int:
+    """The SWA slots a chunked prefill of an ``input_len``-token prompt needs at once,
+    alone, to go on one page at a time (the least admission falls back to).
+
+    memsvc frees a row's SWA pages below ``floor_page(s_prev + 1 − W)``
+    before each allocation (``s_prev``: the start of its previous one, here the
+    previous chunk's, a page back): a page-sized chunk at ``s`` then needs the
+    pages from there to ``s`` plus its own; at most ``2 × page + ceil_page(W − 1)``,
+    and never more than the pages of every position up to the first decoded one,
+    ``ceil_page(input_len + 1)``.
+    """
+    page = spec.page_size
+    steady = 2 * page + _ceil_page(max(spec.sliding_window - 1, 0), page)
+    return min(steady, _ceil_page(input_len + 1, page))
 
 
 def check_swa_fits(
@@ -410,19 +430,36 @@ def check_swa_fits(
     mode: str,
     reserved: int = 0,
     chunked_prefill_size: int | None = None,
+    max_new_tokens: int = 1,
 ) -> None:
     """Reject at intake (400) a request whose SWA requirement exceeds the SWA pool.
 
     A decode node refuses ``swa_required > size_swa`` as SGLang does; a normal
     or prefill node one whose reservation admission could never take
-    (``>= size_swa``: admission's SWA check is strict). Not hybrid: nothing.
+    (``>= size_swa``: admission's SWA check is strict), and, with chunked
+    prefill, one whose page-by-page progress (:func:`swa_chunk_progress_tokens`)
+    the SWA pool cannot hold. Not hybrid: nothing.
     """
     if spec is None:
         return
     needed = swa_requirement(
-        input_len, spec, mode=mode, reserved=reserved, chunked_prefill_size=chunked_prefill_size
+        input_len,
+        spec,
+        mode=mode,
+        reserved=reserved,
+        chunked_prefill_size=chunked_prefill_size,
+        max_new_tokens=max_new_tokens,
     )
     too_large = needed > spec.capacity if mode == "decode" else needed >= spec.capacity
+    if not too_large and mode != "decode" and chunked_prefill_size is not None:
+        progress = swa_chunk_progress_tokens(input_len, spec)
+        if progress > spec.capacity:
+            raise RequestTooLargeError(
+                f"Request prompt exceeds the SWA KV memory budget: a chunked prefill of "
+                f"input_len={input_len} tokens needs {progress} SWA KV tokens at once to "
+                f"progress (one page chunk and its sliding window {spec.sliding_window}, "
+                f"page size {spec.page_size}), SWA pool capacity={spec.capacity} tokens"
+            )
     if too_large:
         raise RequestTooLargeError(
             f"Request prompt exceeds the SWA KV memory budget: input_len={input_len} tokens "

@@ -229,13 +229,31 @@ def test_in_progress_chunk_is_parked_by_the_swa_budget():
     assert a.add_one_req(make_req("w3", 40, max_new_tokens=1), 0) == AddDecision(CONTINUE, 40)
 
 
-def test_in_progress_chunk_is_not_parked_with_nothing_running():
-    # nothing running: no decode would free SWA pages, so parking would wait forever; the
-    # single-pool rule goes on: min(512, remaining_total) (kvstack, sglang-differences)
+@pytest.mark.parametrize("available_swa", [0, 8, 16])
+def test_in_progress_chunk_is_not_parked_with_nothing_running(available_swa):
+    # nothing running: no decode would free SWA pages, so parking would wait forever. The
+    # SWA budget leaves no page beside the rounding one: one page (memsvc frees the window's
+    # pages before it allocates it; kvstack, sglang-differences rows 34, 35)
     req = in_progress(2000, 512)
-    a = chunk_adder(16, req, num_running_reqs=0)
-    # (the chunk's reservation, 384 + 128 + 16, leaves the SWA budget spent: NO_TOKEN)
-    assert a.add_chunked_req(req) == AddDecision(NO_TOKEN, 512)
+    a = chunk_adder(available_swa, req, num_running_reqs=0)
+    # (its reservation, 0 + 128 + 16, leaves the SWA budget spent: NO_TOKEN)
+    assert a.add_chunked_req(req) == AddDecision(NO_TOKEN, PS)
+    assert a.admitted[0].extend_len == PS
+
+
+def test_chunk_with_nothing_running_and_no_total_budget_is_cut_to_the_swa_budget():
+    # the total budget is gone (the chunk budget alone would decide: 512), the SWA budget
+    # is not: the chunk is cut to remaining_swa - page = 200 - 16
+    req = in_progress(2000, 512)
+    gate = SwaPrefillGate(spec(), SwaSizes(200, 0))
+    a = PrefillAdder(
+        config(page_size=PS, chunked_prefill_size=512),
+        0,
+        num_running_reqs=0,
+        chunked_req=req,
+        swa=gate,
+    )
+    assert a.add_chunked_req(req).extend_len == 184
 
 
 def test_pure_swa_model_bases_the_total_budget_on_the_swa_pool():
@@ -327,10 +345,25 @@ def test_normal_node_refuses_what_admission_never_could():
         check_swa_fits(1000, spec(capacity=1024), mode="normal")
     check_swa_fits(1000, spec(capacity=1025), mode="normal")
     # chunking on: the gate cuts a chunk to one page: 0 + 17 + 16 = 33
-    check_swa_fits(1000, spec(capacity=34), mode="normal", chunked_prefill_size=512)
-    with pytest.raises(RequestTooLargeError):
+    with pytest.raises(RequestTooLargeError, match="need 33 SWA"):
         check_swa_fits(1000, spec(capacity=33), mode="normal", chunked_prefill_size=512)
+    # and a page-sized chunk at s needs its pages from floor_page(s - page + 1 - W) on and
+    # its own: 2 x 16 + ceil_page(127) = 160 (swa_chunk_progress_tokens)
+    check_swa_fits(1000, spec(capacity=160), mode="normal", chunked_prefill_size=512)
+    with pytest.raises(RequestTooLargeError, match="needs 160 SWA KV tokens at once"):
+        check_swa_fits(1000, spec(capacity=144), mode="normal", chunked_prefill_size=512)
+    # a short prompt never holds more than its positions up to the first decoded one
+    check_swa_fits(20, spec(capacity=34), mode="normal", chunked_prefill_size=512)
     check_swa_fits(10**6, None, mode="normal")  # not hybrid: nothing
+
+
+def test_normal_node_checks_the_output_admission_reserves():
+    # admission reserves min(extend + max_new, W): 0 + min(16 + 100, 128) + 16 = 132 with
+    # max_new 100, not the 0 + 17 + 16 = 33 of one token of output
+    check_swa_fits(10, spec(capacity=50), mode="normal")
+    with pytest.raises(RequestTooLargeError, match="need 132 SWA"):
+        check_swa_fits(10, spec(capacity=132), mode="normal", max_new_tokens=100)
+    check_swa_fits(10, spec(capacity=133), mode="normal", max_new_tokens=100)
 
 
 # -- what the scheduler reads from memsvc -----------------------------------------------
@@ -463,3 +496,29 @@ def test_a_prefix_lock_pins_swa_evictable_tokens():
     assert a.swa.remaining_swa == 50
     # 48 -> 0 + 58 + 16 = 74 >= 50 now: refused, though 74 < 90 before the locks
     assert a.add_one_req(make_req("c", 40, max_new_tokens=10), 0) == AddDecision(NO_TOKEN, 0)
+
+
+@pytest.mark.parametrize(("capacity", "refused"), [(132, True), (133, False)])
+def test_intake_checks_the_swa_reservation_of_the_requested_output(capacity, refused):
+    # 10 tokens, max_new 100: 0 + min(16 + 100, 128) + 16 = 132, what admission reserves
+    # (with one token of output, 33, it was taken and then never admitted)
+    from scheduler_svc.intake import new_req
+
+    def admit():
+        return new_req(
+            generate(10, max_new=100),
+            list(range(1, 11)),
+            capacity=100_000,
+            page_size=PS,
+            mode="normal",
+            stop_decoder=lambda ids: "",
+            swa=spec(capacity=capacity),
+            config=config(page_size=PS),
+        )
+
+    if refused:
+        with pytest.raises(RequestTooLargeError, match="need 132 SWA") as err:
+            admit()
+        assert err.value.status_code == 400
+    else:
+        assert admit()[0].sampling_params.max_new_tokens == 100
