@@ -369,7 +369,15 @@ class PrefillAdder:
         if self.swa is not None:  # the SWA gate may lower the chunk limit (SGLang's D30)
             fits, chunk_limit = self.swa.check(extend_len, self.remaining_max_new(req), chunk_limit)
             if not fits:
-                return AddDecision(AddResult.NO_TOKEN, 0)
+                if self.num_running_reqs > 0 or self.admitted:
+                    return AddDecision(AddResult.NO_TOKEN, 0)
+                # Alone: nothing running will free an SWA page, so the shortfall is not
+                # transient (e.g. its own cached prefix's SWA tail, pinned by its prefix
+                # lock, counted again in its reservation) and waiting would be forever.
+                # With chunking, one page; without, whole: memsvc's allocation decides
+                # (it frees the window's out-of-window SWA pages first; intake refused
+                # what the pool could never hold).
+                chunk_limit = None if self.rem_chunk_tokens is None else self.page_size
         input_tokens = ceil_page(extend_len, self.page_size)
         if chunk_limit is None:
             if self.admitted and input_tokens >= self.rem_input_tokens:

@@ -127,9 +127,19 @@ def test_check_decode_mem_hybrid_evicts_both_shortfalls_and_needs_both_pools():
 # -- PrefillAdder's SWA gate (D26, D30, D32) -----------------------------------------------
 
 
-def adder(available_swa: int, evictable_swa: int = 0, capacity: int = 1024, **cfg) -> PrefillAdder:
+def adder(
+    available_swa: int,
+    evictable_swa: int = 0,
+    capacity: int = 1024,
+    num_running_reqs: int = 1,
+    **cfg,
+) -> PrefillAdder:
+    # One request running by default: its decoding may free SWA pages, so a shortfall is
+    # transient (with none running and none admitted, admission does not wait: see below).
     gate = SwaPrefillGate(spec(capacity), SwaSizes(available_swa, evictable_swa))
-    return PrefillAdder(config(page_size=PS, **cfg), 100_000, swa=gate)
+    return PrefillAdder(
+        config(page_size=PS, **cfg), 100_000, num_running_reqs=num_running_reqs, swa=gate
+    )
 
 
 def test_swa_gate_is_separate_from_the_full_budget():
@@ -187,6 +197,23 @@ def test_swa_gate_transient_shortfall_waits_rather_than_shrinking():
 def test_swa_gate_without_chunking_cannot_shrink():
     a = adder(500, capacity=512)
     assert a.add_one_req(make_req("long", 2000, max_new_tokens=100), 0) == AddDecision(NO_TOKEN, 0)
+
+
+@pytest.mark.parametrize(("chunk", "extend"), [(None, 40), (512, 16)])
+def test_swa_gate_does_not_wait_with_nothing_running_and_nothing_admitted(chunk, extend):
+    # a cached 16-token prefix (W 128 here: its pinned SWA tail 16) leaves remaining_swa 16;
+    # its 40 new tokens reserve 0 + min(48 + 10, 128) + 16 = 74 >= 16, a shortfall nothing
+    # running would ever free: no wait. Unchunked: whole (memsvc's allocation decides);
+    # chunked: one page.
+    a = adder(0, 32, capacity=64, num_running_reqs=0, chunked_prefill_size=chunk)
+    a.lock_prefix(0, swa_pinned_tokens=16)
+    assert a.swa.remaining_swa == 16
+    d = a.add_one_req(make_req("b", 56, max_new_tokens=10), 16)
+    assert d.extend_len == extend and len(a.admitted) == 1
+    # the same with one running request, or after one admitted this round: it waits
+    b = adder(0, 32, capacity=64, num_running_reqs=1, chunked_prefill_size=chunk)
+    b.lock_prefix(0, swa_pinned_tokens=16)
+    assert b.add_one_req(make_req("b", 56, max_new_tokens=10), 16) == AddDecision(NO_TOKEN, 0)
 
 
 def in_progress(input_len: int, done: int):
@@ -457,7 +484,9 @@ def test_swa_gate_never_overdraws_and_a_refusal_changes_nothing(
     reqs, available, evictable, capacity, chunk
 ):
     gate = SwaPrefillGate(spec(capacity), SwaSizes(available, evictable))
-    a = PrefillAdder(config(page_size=PS, chunked_prefill_size=chunk), 100_000, swa=gate)
+    a = PrefillAdder(
+        config(page_size=PS, chunked_prefill_size=chunk), 100_000, num_running_reqs=1, swa=gate
+    )
     for i, (input_len, prefix, max_new) in enumerate(reqs):
         prefix = min(prefix, input_len - 1) // PS * PS
         before = (a.swa.remaining_swa, a.remaining_total_tokens, len(a.admitted))

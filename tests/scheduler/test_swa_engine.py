@@ -247,3 +247,60 @@ def test_a_chunked_prefill_on_a_small_swa_pool_finishes_or_is_refused(
         asyncio.run(scenario())
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("window", "swa_pages", "chunk", "extra"),
+    [
+        (8, 4, 4, 5),  # was lost: the prefix's pinned SWA tail left 8 < 0 + 8 + 4, forever
+        (8, 4, 8, 5),
+        (8, 4, 4, 13),
+        (16, 6, 4, 5),
+        (16, 7, None, 1),  # unchunked: 0 + min(2 + 6, 16) + 4 = 14 >= 28 - 16 pinned
+        (16, 8, None, 5),
+    ],
+)
+def test_a_cached_prefix_request_alone_on_a_small_swa_pool_finishes(
+    window, swa_pages, chunk, extra
+) -> None:
+    """A request whose prefix is cached, alone on a small SWA pool, is admitted and finishes
+    with the exact output: its prefix lock pins the cached SWA tail, so the SWA gate's
+    shortfall is not transient (nothing running will free a page) and admission does not
+    wait for it (issue 29: "b" waited forever behind its own prefix)."""
+    from scheduler_svc.core.swa_budget import check_swa_fits, swa_spec_of
+
+    layout = small_layout(
+        page_size=PAGE,
+        layer_types=("full_attention", "sliding_attention"),
+        sliding_window=window,
+        swa_num_pages=swa_pages,
+    )
+    spec = swa_spec_of(layout)
+    max_new = 6
+    prompts = {"a": [5] * 17, "b": [5] * 17 + [7] * extra}
+    for prompt in prompts.values():  # intake accepts both (the cases are chosen so)
+        check_swa_fits(
+            len(prompt), spec, mode="normal", chunked_prefill_size=chunk, max_new_tokens=max_new
+        )
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    service = MemService(pool, ServiceConfig(retract_decode_steps=20))
+
+    async def scenario() -> None:
+        h = await Harness(service, chunked_prefill_size=chunk).start()
+        for rid, prompt in prompts.items():
+            h.submit(rid, prompt, max_new)
+            for _ in range(100):  # 40 one-page chunks and 6 decode steps at most
+                await h.engine.step()
+                if rid in h.done:
+                    break
+            assert rid in h.done, (
+                f"{rid} lost: kv_len {getattr(h.engine.chunked, 'kv_len', None)}, "
+                f"running {len(h.engine.running)}, waiting {len(h.engine.waiting)}"
+            )
+            assert h.done[rid].output_ids == expected_output(prompt, max_new), rid
+        pool.check_integrity(idle=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
