@@ -24,7 +24,8 @@ D32, D41, D42, D43):
   :func:`need_swa_single`: PD decode pre-allocation and resume (D41-D43);
 - :func:`check_swa_fits`: the intake refusal (400) of a request whose SWA
   requirement exceeds the SWA pool, or (chunked) whose one-page progress does
-  not fit it (:func:`swa_chunk_progress_tokens`).
+  not fit it (:func:`swa_chunk_progress_tokens`), or (normal node) whose decoding
+  alone would outgrow it (:func:`swa_decode_peak_tokens`).
 """
 
 from __future__ import annotations
@@ -423,6 +424,27 @@ def swa_chunk_progress_tokens(input_len: int, spec: SwaSpec) -> int:
     return min(steady, _ceil_page(input_len + 1, page))
 
 
+def swa_decode_peak_tokens(input_len: int, max_new_tokens: int, spec: SwaSpec) -> int:
+    """The most SWA slots a request of ``input_len`` prompt tokens holds at once while it
+    decodes ``max_new_tokens`` tokens, alone (0 if it decodes no step).
+
+    A decode step allocates position ``p`` (from ``input_len`` to ``input_len +
+    max_new_tokens − 2``) after memsvc frees the row's SWA pages below
+    ``floor_page(p − W)`` (the previous step started at ``p − 1``), so it holds
+    ``ceil_page(p + 1) − floor_page(p − W)``: growing until ``p`` passes the
+    window, then repeating page by page.
+    """
+    page, window = spec.page_size, spec.sliding_window
+    last = input_len + max_new_tokens - 2
+    if last < input_len:
+        return 0
+    stop = min(last, max(input_len, window) + 2 * page)
+    return max(
+        _ceil_page(p + 1, page) - _floor_page(max(0, p - window), page)
+        for p in range(input_len, stop + 1)
+    )
+
+
 def check_swa_fits(
     input_len: int,
     spec: SwaSpec | None,
@@ -438,7 +460,8 @@ def check_swa_fits(
     or prefill node one whose reservation admission could never take
     (``>= size_swa``: admission's SWA check is strict), and, with chunked
     prefill, one whose page-by-page progress (:func:`swa_chunk_progress_tokens`)
-    the SWA pool cannot hold. Not hybrid: nothing.
+    the SWA pool cannot hold; a normal node also one whose decoding alone would
+    outgrow it (:func:`swa_decode_peak_tokens`). Not hybrid: nothing.
     """
     if spec is None:
         return
@@ -459,6 +482,15 @@ def check_swa_fits(
                 f"input_len={input_len} tokens needs {progress} SWA KV tokens at once to "
                 f"progress (one page chunk and its sliding window {spec.sliding_window}, "
                 f"page size {spec.page_size}), SWA pool capacity={spec.capacity} tokens"
+            )
+    if not too_large and mode == "normal":
+        peak = swa_decode_peak_tokens(input_len, max_new_tokens, spec)
+        if peak > spec.capacity:
+            raise RequestTooLargeError(
+                f"Request exceeds the SWA KV memory budget: decoding {max_new_tokens} tokens "
+                f"after input_len={input_len} needs up to {peak} SWA KV tokens at once "
+                f"(sliding window {spec.sliding_window} and the pages it straddles, page size "
+                f"{spec.page_size}), SWA pool capacity={spec.capacity} tokens"
             )
     if too_large:
         raise RequestTooLargeError(

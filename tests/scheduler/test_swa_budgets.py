@@ -24,6 +24,7 @@ from scheduler_svc.core.swa_budget import (
     need_swa_single,
     prealloc_required_tokens,
     swa_allocatable_tokens,
+    swa_decode_peak_tokens,
     swa_retractable_len,
     swa_sizes_of,
     swa_spec_of,
@@ -551,3 +552,20 @@ def test_intake_checks_the_swa_reservation_of_the_requested_output(capacity, ref
         assert err.value.status_code == 400
     else:
         assert admit()[0].sampling_params.max_new_tokens == 100
+
+
+def test_normal_node_refuses_what_decoding_alone_would_outgrow():
+    # W 16, page 4, a 16-token SWA pool, a 14-token prompt, 6 new tokens: the decode step
+    # of position 16 holds ceil_page(17) - floor_page(0) = 20 SWA slots > 16 (it aborted
+    # with the out-of-memory 500 before intake checked it)
+    small = spec(capacity=16, window=16, page_size=4)
+    assert swa_decode_peak_tokens(14, 6, small) == 20
+    with pytest.raises(RequestTooLargeError, match="up to 20 SWA KV tokens at once") as err:
+        check_swa_fits(14, small, mode="normal", chunked_prefill_size=4, max_new_tokens=6)
+    assert err.value.status_code == 400
+    # 3 new tokens decode positions 14 and 15 only: ceil_page(16) - 0 = 16 fits
+    assert swa_decode_peak_tokens(14, 3, small) == 16
+    check_swa_fits(14, small, mode="normal", chunked_prefill_size=4, max_new_tokens=3)
+    # past the window the peak repeats page by page: W 8, page 4 -> 12 at most
+    assert swa_decode_peak_tokens(9, 500, spec(window=8, page_size=4)) == 12
+    assert swa_decode_peak_tokens(9, 1, small) == 0  # no decode step
