@@ -6,7 +6,7 @@ tokens or more, a prompt plus ``max_new_tokens`` past ``max_context_len``, a
 ``logprob_start_len`` past the prompt, logprobs on a PD node. Then the rules
 that keep a request from waiting forever (:func:`new_req`): an input that can
 never fit the pool is rejected with 400 (for a hybrid model, either pool:
-:func:`~scheduler_svc.core.swa_budget.check_swa_fits`), and ``max_new_tokens``
+:func:`~scheduler_svc.core.swa_intake.check_swa_fits`), and ``max_new_tokens``
 is clamped so that one request alone always fits. :func:`fingerprint` tells a client's
 re-submission of a live rid from another request under the same rid.
 """
@@ -25,7 +25,8 @@ from scheduler_svc.core import (
     check_fits,
     clamp_max_new_tokens,
 )
-from scheduler_svc.core.swa_budget import SwaSpec, check_swa_fits
+from scheduler_svc.core.swa_budget import SwaSpec
+from scheduler_svc.core.swa_intake import check_swa_fits
 
 
 def refusal(

@@ -39,7 +39,8 @@ from scheduler_svc.core import (
     check_fits,
     clamp_max_new_tokens,
 )
-from scheduler_svc.core.swa_budget import check_swa_fits, full_available_of
+from scheduler_svc.core.swa_budget import full_available_of
+from scheduler_svc.core.swa_intake import check_swa_fits
 from scheduler_svc.engine import Engine
 
 

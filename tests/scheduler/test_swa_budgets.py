@@ -19,16 +19,18 @@ from scheduler_svc.core.swa_budget import (
     SwaSizes,
     SwaSpec,
     check_decode_mem,
-    check_swa_fits,
     estimate_swa_kv_tokens,
     need_swa_single,
     prealloc_required_tokens,
     swa_allocatable_tokens,
-    swa_decode_peak_tokens,
     swa_retractable_len,
     swa_sizes_of,
     swa_spec_of,
     swa_tail_len,
+)
+from scheduler_svc.core.swa_intake import (
+    check_swa_fits,
+    swa_decode_peak_tokens,
 )
 from tests.scheduler.helpers import config, make_req
 

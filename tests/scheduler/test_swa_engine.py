@@ -127,7 +127,8 @@ def test_on_a_hybrid_pool_every_request_finishes_exactly(monkeypatch, chunk) -> 
 
     The SWA numbers are read off the pool as memsvc's replies carry them
     (``full_available``, ``swa_available``, ``swa_evictable``)."""
-    from scheduler_svc.core.swa_budget import check_swa_fits, swa_spec_of
+    from scheduler_svc.core.swa_budget import swa_spec_of
+    from scheduler_svc.core.swa_intake import check_swa_fits
 
     layout = small_layout(
         page_size=PAGE,
@@ -201,7 +202,8 @@ def test_a_chunked_prefill_on_a_small_swa_pool_finishes_or_is_refused(
     allocates; with nothing running, a chunk the SWA budget would park goes on one page
     at a time); what could never progress is refused at intake (400)."""
     from scheduler_svc.core.errors import RequestTooLargeError
-    from scheduler_svc.core.swa_budget import check_swa_fits, swa_spec_of
+    from scheduler_svc.core.swa_budget import swa_spec_of
+    from scheduler_svc.core.swa_intake import check_swa_fits
 
     layout = small_layout(
         page_size=PAGE,
@@ -267,7 +269,8 @@ def test_a_cached_prefix_request_alone_on_a_small_swa_pool_finishes(
     with the exact output: its prefix lock pins the cached SWA tail, so the SWA gate's
     shortfall is not transient (nothing running will free a page) and admission does not
     wait for it (issue 29: "b" waited forever behind its own prefix)."""
-    from scheduler_svc.core.swa_budget import check_swa_fits, swa_spec_of
+    from scheduler_svc.core.swa_budget import swa_spec_of
+    from scheduler_svc.core.swa_intake import check_swa_fits
 
     layout = small_layout(
         page_size=PAGE,
