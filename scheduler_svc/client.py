@@ -50,6 +50,7 @@ from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys
 from scheduler_svc.generation import (
     DEFAULT_RESUBMITS,
+    CacheKeys,
     Chunk,
     Fault,
     GenerateError,
@@ -65,6 +66,7 @@ from scheduler_svc.generation import (
 __all__ = [
     "DEFAULT_RESUBMITS",
     "AsyncGenerateClient",
+    "CacheKeys",
     "Chunk",
     "GenerateClient",
     "GenerateError",
@@ -72,6 +74,11 @@ __all__ = [
     "LogprobArgs",
     "SchedulerLostError",
 ]
+
+
+def _flush_header(cache_salt: str | None, extra_key: str | None) -> dict[str, Any]:
+    keys = {"cache_salt": cache_salt, "extra_key": extra_key}
+    return {"op": "flush_cache", **{k: v for k, v in keys.items() if v is not None}}
 
 
 def _drain(monitor: zmq.Socket) -> None:
@@ -122,11 +129,16 @@ class GenerateAPI(Generic[_Stream, _Result]):
         return_logprob=False,
         logprob_start_len=-1,
         top_logprobs_num=0,
+        cache_salt=None,
+        extra_key=None,
     ) -> _Stream:
         """Token chunks as they are generated, then the result."""
         logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        keys = CacheKeys(cache_salt, extra_key)
         return self._stream(
-            partial(Generation, self, input_ids, text, sampling, rid, True, priority, logprobs)
+            partial(
+                Generation, self, input_ids, text, sampling, rid, True, priority, logprobs, keys
+            )
         )
 
     def generate(
@@ -140,11 +152,16 @@ class GenerateAPI(Generic[_Stream, _Result]):
         return_logprob=False,
         logprob_start_len=-1,
         top_logprobs_num=0,
+        cache_salt=None,
+        extra_key=None,
     ) -> _Result:
         """The result."""
         logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
+        keys = CacheKeys(cache_salt, extra_key)
         return self._generate(
-            partial(Generation, self, input_ids, text, sampling, rid, False, priority, logprobs)
+            partial(
+                Generation, self, input_ids, text, sampling, rid, False, priority, logprobs, keys
+            )
         )
 
     # A transport's: run the generation ``start()`` makes (when the caller first asks:
@@ -232,9 +249,11 @@ class GenerateClient(GenerateAPI[Iterator[Chunk | GenerateResult], GenerateResul
     def info(self) -> dict[str, Any]:
         return self._call({"op": "info"})
 
-    def flush_cache(self) -> tuple[bool, str]:
-        """Empty the prefix cache; ``(False, why)`` while requests run or wait."""
-        return flushed(self._call({"op": "flush_cache"}, timeout_s=self.timeout_s))
+    def flush_cache(self, cache_salt=None, extra_key=None) -> tuple[bool, str]:
+        """Empty the prefix cache; ``(False, why)`` while requests run or wait. With a
+        cache key: only that namespace's cached KV, whatever runs."""
+        header = _flush_header(cache_salt, extra_key)
+        return flushed(self._call(header, timeout_s=self.timeout_s))
 
     def _call(self, header: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         op_id = next(self._op_ids)
@@ -352,9 +371,10 @@ class AsyncGenerateClient(
     async def info(self) -> dict[str, Any]:
         return await self._call({"op": "info"})
 
-    async def flush_cache(self) -> tuple[bool, str]:
-        """Empty the prefix cache; ``(False, why)`` while requests run or wait."""
-        return flushed(await self._call({"op": "flush_cache"}))
+    async def flush_cache(self, cache_salt=None, extra_key=None) -> tuple[bool, str]:
+        """Empty the prefix cache; ``(False, why)`` while requests run or wait. With a
+        cache key: only that namespace's cached KV, whatever runs."""
+        return flushed(await self._call(_flush_header(cache_salt, extra_key)))
 
     async def close(self) -> None:
         for task in (self._reader, self._watcher):

@@ -84,6 +84,14 @@ class LogprobArgs(NamedTuple):
     top_logprobs_num: int = 0
 
 
+class CacheKeys(NamedTuple):
+    """SGLang's ``cache_salt`` and ``extra_key`` of a generate: requests share cached KV
+    only if both are equal (the scheduler's namespace: :func:`memsvc.namespace.namespace_of`)."""
+
+    cache_salt: str | None = None
+    extra_key: str | None = None
+
+
 def unpack_reply(frames: list[bytes]) -> dict[str, Any] | None:
     """A reply's header, or None for one damaged in transit (no reply, as if lost)."""
     try:
@@ -161,6 +169,7 @@ class Generation:
         stream: bool,
         priority: int | None,
         logprobs: LogprobArgs,
+        keys: CacheKeys | None = None,
     ) -> None:
         self.address, self.resubmits = client.address, client.resubmits
         self.rid = rid or uuid.uuid4().hex
@@ -174,6 +183,8 @@ class Generation:
         }
         if logprobs.return_logprob:
             self.header.update(logprobs._asdict())
+        if keys is not None:
+            self.header.update({k: v for k, v in keys._asdict().items() if v is not None})
         self.arrays = None
         if input_ids is not None:
             self.arrays = {"input_ids": np.asarray(input_ids, dtype=wire.ARRAY_DTYPE).reshape(-1)}

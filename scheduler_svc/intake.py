@@ -120,6 +120,7 @@ def new_req(
         priority=msg.priority,
         bootstrap_room=msg.bootstrap_room,
         bootstrap_rid=msg.bootstrap_rid,
+        namespace=msg.namespace,
         return_logprob=msg.return_logprob,
         logprob_start_len=start,
         top_logprobs_num=msg.top_logprobs_num if msg.return_logprob else 0,
@@ -134,5 +135,6 @@ def fingerprint(input_ids: list[int], msg: Any) -> str:
     digest.update(repr(input_ids).encode())
     digest.update(msg.sampling.model_dump_json().encode())
     digest.update(repr(msg.priority).encode())
+    digest.update(msg.namespace.encode())
     digest.update(repr((msg.return_logprob, msg.logprob_start_len, msg.top_logprobs_num)).encode())
     return digest.hexdigest()

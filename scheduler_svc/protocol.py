@@ -9,7 +9,13 @@ then exactly one ``done`` reply with the output and SGLang-shaped
 new in that chunk (the first chunk also the prompt's). ``abort`` ends a
 request early: its ``done`` carries the partial output and an abort
 ``finish_reason``. ``flush_cache`` empties the prefix cache when no request is
-running or waiting (SGLang's ``/flush_cache``), else answers ``ok: false``.
+running or waiting (SGLang's ``/flush_cache``), else answers ``ok: false``;
+with a ``cache_salt`` and/or ``extra_key`` it empties only that namespace's
+cached KV (every tier), whatever runs.
+
+``cache_salt`` / ``extra_key`` (SGLang's): two requests share cached KV only if
+both are equal. The scheduler turns them into the request's namespace once, at
+intake (:func:`memsvc.namespace.namespace_of`); memsvc never sees them.
 
 Logprobs follow SGLang's ``return_logprob`` / ``logprob_start_len`` /
 ``top_logprobs_num``: ``meta_info`` gains ``input_token_logprobs`` and
@@ -39,6 +45,7 @@ from pydantic import Field, TypeAdapter, model_validator
 
 from memsvc import protocol as wire
 from memsvc.limits import MessageLimit
+from memsvc.namespace import namespace_of
 from memsvc.protocol import IntArray, Message
 from model_svc.protocol import Sampling
 
@@ -62,6 +69,9 @@ Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LEN)]
+# A cache_salt or extra_key ("" is the front's None: SGLang reads it as unset).
+MAX_CACHE_KEY_LEN = 4096
+CacheKey = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY_LEN)]
 
 
 class GenSampling(Sampling):
@@ -106,6 +116,13 @@ class Generate(Message):
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
     # PD re-bootstrap: the decode side knows this request by another rid.
     bootstrap_rid: str | None = Field(default=None, min_length=1, max_length=256)
+    # Which cached KV the request may share (see the module docstring).
+    cache_salt: CacheKey | None = None
+    extra_key: CacheKey | None = None
+
+    @property
+    def namespace(self) -> str:
+        return namespace_of(self.cache_salt, self.extra_key)
 
     @model_validator(mode="after")
     def _one_input(self) -> Generate:
@@ -134,9 +151,19 @@ class Info(Message):
 
 
 class FlushCache(Message):
-    """Empty the prefix cache, if no request is running or waiting."""
+    """Empty the prefix cache, if no request is running or waiting; with a cache key,
+    only that namespace's cached KV, at once."""
 
     op: Literal["flush_cache"]
+    cache_salt: CacheKey | None = None
+    extra_key: CacheKey | None = None
+
+    @property
+    def namespace(self) -> str | None:
+        """The namespace to flush; None: all of them."""
+        if self.cache_salt is None and self.extra_key is None:
+            return None
+        return namespace_of(self.cache_salt, self.extra_key)
 
 
 Request = Annotated[Generate | Abort | Info | FlushCache, Field(discriminator="op")]

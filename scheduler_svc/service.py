@@ -109,7 +109,8 @@ class SchedulerService:
         self._outbox: asyncio.Queue[list[bytes]] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._flushes: list[tuple[bytes, int]] = []  # flush_cache requests, run between steps
+        # flush_cache requests (identity, op_id, namespace or None: all), run between steps
+        self._flushes: list[tuple[bytes, int, str | None]] = []
         self.stall = StallWatch()
         engine.emit = self._emit
         if mode == "decode":
@@ -187,11 +188,19 @@ class SchedulerService:
 
     async def _flush_cache(self) -> None:
         """Answer the queued ``flush_cache`` requests (SGLang's: only with no request
-        running or waiting; memsvc then evicts everything evictable)."""
+        running or waiting; memsvc then evicts everything evictable). One namespace's
+        flush runs whatever runs: memsvc evicts that namespace's unlocked KV, in every
+        tier; what its running requests hold is theirs until they end."""
         while self._flushes:
-            identity, op_id = self._flushes.pop(0)
+            identity, op_id, namespace = self._flushes.pop(0)
             engine = self.engine
-            if engine.reqs or not engine.idle:
+            if namespace is not None:
+                try:
+                    evicted = await engine.mem.flush_cache(namespace=namespace)
+                    flushed, message = True, f"Cache flushed ({evicted} tokens evicted)."
+                except (MemsvcError, PeerDeadError) as exc:
+                    flushed, message = False, f"Cache not flushed: {exc}"
+            elif engine.reqs or not engine.idle:
                 num_running = len(engine.running)
                 flushed, message = (
                     False,
@@ -234,7 +243,7 @@ class SchedulerService:
         if msg.op == "info":
             return wire.pack({"ok": True, "op_id": msg.op_id, **self.info()})
         if msg.op == "flush_cache":
-            self._flushes.append((identity, msg.op_id))
+            self._flushes.append((identity, msg.op_id, msg.namespace))
             return None
         if msg.op == "abort":
             waiter = self._waiters.get(msg.rid)

@@ -30,6 +30,7 @@ from kvstack.serve.connections import ConnectionGuard
 from kvstack.serve.errors import ApiError, http_status
 from kvstack.serve.limits import INLINE_PARSE_BYTES, OFFLOAD_CONCURRENCY, FrontLimits
 from kvstack.serve.metrics import FrontMetrics
+from kvstack.serve.sglang.cache_keys import KEY_FIELDS
 from kvstack.serve.streaming import Item
 from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys
@@ -132,6 +133,7 @@ class RequestPath:
             "rid": rid,
             "priority": one.priority,
             **_logprob_kwargs(one),
+            **_cache_keys(one),
         }
         if rid in self._inflight:
             raise ApiError(400, "duplicate_rid", f"request {rid!r} is already running")
@@ -287,14 +289,16 @@ class RequestPath:
             self._max_context_len = int((await self.info())["max_context_len"])
         return self._max_context_len
 
-    async def flush_cache(self) -> tuple[bool, str]:
-        """The scheduler's answer to emptying its prefix cache: flushed, and why not."""
+    async def flush_cache(self, **keys: str | None) -> tuple[bool, str]:
+        """The scheduler's answer to emptying its prefix cache: flushed, and why not.
+        ``keys`` (``cache_salt``, ``extra_key``), those set: only that namespace's."""
         assert self._control is not None
         flush = getattr(self._control, "flush_cache", None)
         if flush is None:
             raise ApiError(501, "not_implemented", "this scheduler cannot flush its cache")
+        keys = {k: v for k, v in keys.items() if v is not None}
         try:
-            return await flush()
+            return await flush(**keys)
         except PeerDeadError as exc:
             raise ApiError(503, "scheduler_unavailable", str(exc)) from None
 
@@ -306,6 +310,11 @@ def _logprob_kwargs(one: GenerateOne) -> dict[str, Any]:
             400, "unsupported_field", "return_logprob: this scheduler does not return logprobs"
         )
     return kwargs
+
+
+def _cache_keys(one: GenerateOne) -> dict[str, Any]:
+    """The request's ``cache_salt`` / ``extra_key``, those set (the scheduler's namespace)."""
+    return {name: getattr(one, name) for name in KEY_FIELDS if getattr(one, name) is not None}
 
 
 def _stream_parameters() -> set[str]:

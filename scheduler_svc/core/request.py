@@ -95,6 +95,10 @@ class Req:
     # PD mode: the room that pairs this request's prefill and decode sides.
     bootstrap_room: int | None = None
     bootstrap_rid: str | None = None  # the decode side's rid, if not ``rid`` (re-bootstrap)
+    # The cache namespace its KV is shared in (memsvc.namespace.namespace_of of its
+    # cache_salt and extra_key, computed once at intake; "" the default). Kept through
+    # retract, recovery and the PD hand-off: every memsvc row it opens is in it.
+    namespace: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     # SGLang's logprobs: ``logprob_start_len`` resolved (-1 became len(origin_input_ids):
     # output logprobs only); ``logprob`` holds what was computed.

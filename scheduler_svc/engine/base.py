@@ -121,6 +121,12 @@ class EngineBase:
         """memsvc runs the hierarchical cache (host and maybe disk tiers under the tree)."""
         return bool((getattr(self.mem, "hello_info", None) or {}).get("hicache"))
 
+    async def open_row(self, req: Req) -> int:
+        """Open ``req`` in memsvc, in its cache namespace; returns its req_to_token row."""
+        if req.namespace:
+            return await self.mem.alloc_row(req.rid, namespace=req.namespace)
+        return await self.mem.alloc_row(req.rid)  # the default namespace: memsvc's default
+
     def _mark_readmitted(self, req: Req) -> None:
         """A retracted request is back: the thrash guard's cooldown starts now."""
         if req.retracted_stain:

@@ -183,11 +183,12 @@ class PrefillRound(EngineBase):
     async def _admit(self, batch: list[Req]) -> AdmitResult:
         """Open, match and lock ``batch``'s prefixes in memsvc, in one round trip."""
         items = [(r.rid, r.fill_ids[: r.max_prefix_len]) for r in batch]
+        kwargs: dict[str, Any] = {}
         if self.hierarchical:  # memsvc weighs each load against recomputing it
-            return await self.mem.admit(
-                items, recompute_s_per_token=self.cost.recompute_s_per_token()
-            )
-        return await self.mem.admit(items)
+            kwargs["recompute_s_per_token"] = self.cost.recompute_s_per_token()
+        if any(r.namespace for r in batch):  # None: all in the default namespace
+            kwargs["namespaces"] = [r.namespace for r in batch]
+        return await self.mem.admit(items, **kwargs)
 
     def _judge(
         self,
@@ -317,7 +318,7 @@ class PrefillRound(EngineBase):
         if not adder.add_resumed_req(req):
             return False
         try:
-            row = await self.mem.alloc_row(req.rid)
+            row = await self.open_row(req)
         except OutOfRowsError:
             return False
         started = time.perf_counter()

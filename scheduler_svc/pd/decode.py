@@ -156,7 +156,7 @@ class DecodeEngine(Engine):
             if not self.swa_budget.resume_fits(req):
                 break
             try:
-                row = await self.mem.alloc_row(req.rid)
+                row = await self.open_row(req)
             except OutOfRowsError:
                 break
             if not (await self.mem.load(req.rid)).fits:
@@ -203,7 +203,7 @@ class DecodeEngine(Engine):
             if swa_gate is not None and not swa_gate.fits(req):
                 break
             try:
-                row = await self.mem.alloc_row(req.rid)
+                row = await self.open_row(req)
             except OutOfRowsError:
                 break
             if not (await self.mem.alloc_extend([(req.rid, self._fill_len(req))])).fits:

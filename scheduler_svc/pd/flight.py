@@ -65,6 +65,7 @@ def fingerprint(msg: p.Generate) -> str:
     digest.update(msg.input_ids.tobytes() if msg.input_ids is not None else msg.text.encode())
     digest.update(msg.sampling.model_dump_json().encode())
     digest.update(repr(msg.priority).encode())
+    digest.update(msg.namespace.encode())
     return digest.hexdigest()
 
 

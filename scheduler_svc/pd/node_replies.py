@@ -85,6 +85,8 @@ class NodeReplies:
             "priority": flight.header.get("priority"),
             "bootstrap_room": room,
             "bootstrap_rid": flight.rid,
+            # the same cache keys (SGLang's re-bootstrap keeps extra_key): same namespace
+            **{k: flight.header[k] for k in ("cache_salt", "extra_key") if k in flight.header},
         }
         ids = np.asarray(header["input_ids"], dtype=wire.ARRAY_DTYPE)
         outputs = ids.size + 1 - flight.prompt_len if flight.prompt_len else 0

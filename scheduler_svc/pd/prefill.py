@@ -158,6 +158,7 @@ class PrefillEngine(Engine):
                     priority=req.priority,
                     bootstrap_room=req.bootstrap_room,
                     bootstrap_rid=req.bootstrap_rid,
+                    namespace=req.namespace,
                     arrival_time=req.arrival_time,
                 )
                 self.reqs[req.rid] = fresh

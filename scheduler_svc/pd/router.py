@@ -209,6 +209,10 @@ class Router:
             "priority": msg.priority,
             "bootstrap_room": room,
         }
+        # both nodes put its KV in its namespace (a re-bootstrap's prefill keeps it too)
+        for name in ("cache_salt", "extra_key"):
+            if getattr(msg, name) is not None:
+                header[name] = getattr(msg, name)
         arrays = None
         if msg.input_ids is not None:
             arrays = {"input_ids": msg.input_ids}
@@ -284,7 +288,10 @@ class Router:
         """SGLang's flush_cache on both nodes: flushed only if both flushed."""
         flushed, messages = True, []
         for name, sock in (("prefill", self.prefill), ("decode", self.decode)):
-            reply = await self.call(sock, {"op": "flush_cache"})
+            keys = {k: getattr(msg, k) for k in ("cache_salt", "extra_key")}
+            reply = await self.call(
+                sock, {"op": "flush_cache", **{k: v for k, v in keys.items() if v is not None}}
+            )
             if reply is None or not reply.get("ok"):
                 why = "no answer" if reply is None else reply.get("message", "")
                 flushed, text = False, f"Cache not flushed: {why}"

@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstack.serve.errors import ApiError
+from kvstack.serve.sglang.cache_keys import KEY_FIELDS, MAX_KEY_LEN
 from kvstack.serve.sglang.fields import (
     FRONT_SAMPLING,
     MAX_N,
@@ -73,8 +74,6 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "bootstrap_host": None,
     "bootstrap_port": None,
     "bootstrap_room": None,
-    "extra_key": None,
-    "cache_salt": None,
     "custom_labels": None,
 }
 COMPLETION_DEFAULTS: dict[str, Any] = {
@@ -166,6 +165,10 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     rid: str | None = Field(default=None, min_length=1, max_length=256)
     priority: Int64 | None = None
+    # Which cached KV the request may share (vLLM's cache_salt; SGLang's extra_key too):
+    # strings, "" for none, as SGLang's OpenAI server takes them (a list is refused).
+    cache_salt: str | None = Field(default=None, max_length=MAX_KEY_LEN)
+    extra_key: str | None = Field(default=None, max_length=MAX_KEY_LEN)
 
     sglang_defaults: ClassVar[dict[str, Any]] = {}
 
@@ -268,6 +271,9 @@ def generate_ones(
             body["rid"] = request.rid if len(prompts) == 1 else f"{request.rid}_{i}"
         if request.priority is not None:
             body["priority"] = request.priority
+        for name in KEY_FIELDS:
+            if getattr(request, name):  # "" is none, as in SGLang's _compute_extra_key
+                body[name] = getattr(request, name)
         if top_logprobs is not None:
             body.update(return_logprob=True, top_logprobs_num=top_logprobs)
             if prompt_logprobs:

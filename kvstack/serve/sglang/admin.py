@@ -22,6 +22,7 @@ from aiohttp import web
 from kvstack.serve.errors import ApiError
 from kvstack.serve.metrics import Scraper
 from kvstack.serve.request_path import NO_RESULT, RequestPath
+from kvstack.serve.sglang.cache_keys import KEY_FIELDS, split_keys
 from kvstack.serve.sglang.protocol import AbortIn, GenerateOne, validate_body
 from scheduler_svc.client import GenerateResult
 
@@ -118,11 +119,30 @@ class SGLangAdmin:
         )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """SGLang's: the radix cache emptied if nothing runs or waits (200), else 400."""
-        ok, message = await self.path.flush_cache()
+        """SGLang's: the radix cache emptied if nothing runs or waits (200), else 400.
+
+        kvstack's: with ``cache_salt`` and/or ``extra_key`` (query parameters, or a JSON
+        object body), only that namespace's cached KV, in every tier, whatever runs.
+        """
+        keys = await self._flush_keys(request)
+        ok, message = await self.path.flush_cache(**keys)
         if ok:
             return web.Response(text=FLUSHED)
         return web.Response(text=message or "Flush cache failed.\n", status=400)
+
+    async def _flush_keys(self, request: web.Request) -> dict[str, str | None]:
+        """``/flush_cache``'s cache keys: the query's, then a JSON body's (SGLang's own
+        request has neither: both optional)."""
+        fields: dict[str, Any] = {k: v for k, v in request.query.items() if k in KEY_FIELDS}
+        if request.method == "POST" and request.can_read_body:
+            body = await self.path.parsed(request, lambda data: data)
+            if body is not None and not isinstance(body, dict):
+                raise ApiError(400, "invalid_request", "the body must be a JSON object")
+            unknown = sorted(set(body or {}) - set(KEY_FIELDS))
+            if unknown:
+                raise ApiError(400, "invalid_request", f"unknown field {unknown[0]!r}")
+            fields.update(body or {})
+        return split_keys(fields, None)[0]
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body: AbortIn = await self.path.parsed(request, lambda data: validate_body(AbortIn, data))

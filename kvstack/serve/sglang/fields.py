@@ -22,9 +22,10 @@ from typing import Any
 
 # SGLang's GenerateReqInput fields that the front does not take as fields of its own
 # (text, input_ids, sampling_params, stream, rid, priority, return_logprob,
-# logprob_start_len, top_logprobs_num, return_text_in_logprobs, log_metrics, no_logs
-# are honoured: kvstack.serve.sglang.protocol.GenerateOne), with SGLang's defaults. ``None`` for a
-# field whose default is None: SGLang treats null as "unset" for every one of them.
+# logprob_start_len, top_logprobs_num, return_text_in_logprobs, log_metrics, no_logs,
+# cache_salt, extra_key are honoured: kvstack.serve.sglang.protocol.GenerateOne), with
+# SGLang's defaults. ``None`` for a field whose default is None: SGLang treats null as
+# "unset" for every one of them.
 GENERATE_DEFAULTS: dict[str, Any] = {
     "session_id": None,
     "input_embeds": None,
@@ -66,7 +67,6 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "background": False,
     "require_reasoning": False,
     "max_thinking_tokens": None,
-    "extra_key": None,
     "custom_labels": None,
     "return_bytes": False,
     "return_entropy": False,
@@ -84,7 +84,6 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "mm_processor_kwargs": None,
     "multi_item_delimiter_indices": None,
     "token_indices_to_pool": None,
-    "cache_salt": None,
     "kv_hints": None,
 }
 
@@ -102,6 +101,8 @@ GENERATE_HONOURED = (
     "return_text_in_logprobs",
     "log_metrics",
     "no_logs",
+    "cache_salt",
+    "extra_key",
 )
 
 # SGLang's SamplingParams, API fields then the internal ones normalize() fills in, with

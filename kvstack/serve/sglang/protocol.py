@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kvstack.serve.body import check_batch
 from kvstack.serve.errors import ApiError, validation_message
 from kvstack.serve.limits import DEFAULT_MAX_BATCH_REQUESTS
+from kvstack.serve.sglang.cache_keys import KEY_FIELDS, MAX_KEY_LEN, split_keys
 from kvstack.serve.sglang.fields import (
     ABORT_DEFAULTS,
     GENERATE_DEFAULTS,
@@ -77,6 +78,9 @@ class GenerateOne(BaseModel):
     return_text_in_logprobs: bool = False
     log_metrics: bool = True
     no_logs: bool = False
+    # Which cached KV the request may share (:mod:`.cache_keys`; "" is None there).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LEN)
+    extra_key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LEN)
 
     @model_validator(mode="before")
     @classmethod
@@ -158,9 +162,11 @@ def parse_generate(data: Any, max_requests: int = DEFAULT_MAX_BATCH_REQUESTS) ->
         raise ApiError(400, "unsupported_field", str(exc), param=exc.field) from None
     size = _batch_size(fields)
     check_batch(size or 1, 1, max_requests)
+    keys = split_keys(fields, size)
     prompts = []
     for i in range(size or 1):
-        item = dict(fields)
+        item = {k: v for k, v in fields.items() if k not in KEY_FIELDS}
+        item.update({k: v for k, v in keys[i].items() if v is not None})
         if size is not None:
             for key in ("text", "input_ids"):
                 if isinstance(item.get(key), list):
