@@ -61,7 +61,12 @@ Restart: the host tier is process memory and is lost with memsvc. The storage
 tier lives in a subdirectory of this memsvc's own, made fresh when the cache is
 created and removed when it is closed (:mod:`memsvc.core.storage.tierdir`): its
 index was the tree, which dies with the process, so nothing a previous memsvc
-(or another stack on the same directory) left is ever read.
+(or another stack on the same directory) left is ever read. With
+``--hicache-storage-keep`` the directory is kept, and a match that runs out of
+tree continues its hash chain (seeded by the model, dtype, layout, page size and
+namespace: :mod:`memsvc.core.identity`) through the kept page names, adopting
+the run it finds as a storage-only node (:meth:`TieredTree._adopt_kept`,
+:mod:`memsvc.core.storage.kept`); its pages are verified when loaded, as any.
 
 Modules: this one is :class:`HiRadixCache`, the policy (match and load back,
 the write policies, device eviction); :mod:`memsvc.core.hicache_tree` the
@@ -127,7 +132,8 @@ class HiRadixCache(TieredTree):
         """
         key = self._as_key(token_ids)
         self.reap_failed_writes()
-        path, _ = self._walk(key)
+        path, matched = self._walk(key)
+        self._adopt_kept(path, key, matched, seed=self.storage_seed(""))
         num_device = 0
         while num_device < len(path) and path[num_device].value.size:
             num_device += 1
@@ -343,6 +349,7 @@ class HiRadixCache(TieredTree):
         ]
         for node in tops:
             self._drop_subtree(node)
+        self.drop_kept()
         for node in self.iter_nodes():  # what is left is on the device: drop its copies
             if node.host_pages is not None:
                 self._free_host(node)

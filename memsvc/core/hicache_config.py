@@ -116,6 +116,17 @@ class HiCacheConfig:
             "forward": True,
         },
     )
+    storage_keep: bool = field(
+        default=False,
+        metadata={
+            "flag": "--hicache-storage-keep",
+            "help": "keep the storage tier across restarts, in <storage dir>/kept-<role>: a "
+            "kept page is served only if its key (model digest, dtype, KV layout, page size, "
+            "cache namespace, token prefix) is the one asked for and its checksum holds; "
+            "needs --model-digest (kvstack serve / up pass it)",
+            "forward": True,
+        },
+    )
     storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode (no flag)
 
     def __post_init__(self) -> None:
@@ -135,6 +146,8 @@ class HiCacheConfig:
                     f"{tuple(b.value for b in StorageBackendName)}"
                 ) from None
             object.__setattr__(self, "storage_backend", backend)
+        if self.storage_keep and self.storage_backend is None:
+            raise InvalidArgumentError("--hicache-storage-keep needs --hicache-storage-backend")
         if self.ratio <= 0 and self.size_bytes <= 0:
             raise InvalidArgumentError("the host tier needs --hicache-ratio > 0 or --hicache-size")
         if self.size_bytes < 0 or self.storage_size_bytes < 0:

@@ -17,7 +17,7 @@ tiers, children, locks or access time pushes to, so no eviction walks the tree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +32,7 @@ from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
+from memsvc.core.storage.kept import KeptPages, stored_oldest_first
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -61,8 +62,11 @@ class TieredTree(RadixCache):
         config: HiCacheConfig,
         *,
         storage: StorageBackend | None = None,
+        storage_seed: Callable[[str], str] | None = None,
     ) -> None:
         super().__init__(allocator)
+        # A namespace's hash-chain seed (memsvc.core.identity.KVIdentity.storage_seed).
+        self.storage_seed = storage_seed or (lambda namespace: namespace)
         self.buffers = buffers
         self.config = config
         self.write_policy = config.write_policy
@@ -83,12 +87,24 @@ class TieredTree(RadixCache):
         self._storage_keys: set[str] = set()
         self.stats = HiCacheStats()
         self.copies = TierCopies(buffers, allocator, self.host, self.stats)
+        # Pages a kept storage tier (--hicache-storage-keep) holds that no node holds yet.
+        self.kept = self._open_kept()
         self.cost = self._cost_model(config, allocator.num_pages)
         # Each tier's eviction candidates (evict_heap.py): device leaves, host copies,
         # storage copies that may go.
         self._free_leaves = EvictionHeap(lru_rank, self._is_device_leaf)
         self._host_heap = EvictionHeap(_host_rank, self._host_evictable)
         self._storage_heap = EvictionHeap(lru_rank, self._storage_evictable)
+
+    def _open_kept(self) -> KeptPages:
+        """The kept pages a previous memsvc left, the oldest deleted past the cap."""
+        if self.storage is None or not self.config.storage_keep:
+            return KeptPages()
+        kept = KeptPages(stored_oldest_first(self.storage))
+        over = len(kept) - self.storage_capacity_pages
+        if over > 0:
+            self.copies.delete(self.storage, kept.oldest(over))
+        return kept
 
     def _host_num_pages(self, config: HiCacheConfig, device_pages: int) -> int:
         """The host tier's pages (a subclass whose pages hold more KV sizes it otherwise)."""
@@ -150,11 +166,33 @@ class TieredTree(RadixCache):
         while at is not self.root and at.hashes is None:
             chain.append(at)
             at = at.parent
-        prev = "" if at is self.root else at.hashes[-1]
+        prev = self.storage_seed("") if at is self.root else at.hashes[-1]
         for n in reversed(chain):
             n.hashes = page_hash_chain(prev, n.key, self.page_size)
             prev = n.hashes[-1]
         return node.hashes
+
+    def _adopt_kept(self, path: list[TreeNode], key: np.ndarray, matched: int, seed: str) -> None:
+        """Continue a match that ran out of tree through the kept pages
+        (:mod:`memsvc.core.storage.kept`): the run of ``key``'s next whole pages whose keys
+        are kept becomes a storage-only node under the path's last node (the walk left no
+        child there for the next page). ``seed``: the chain's seed at the root."""
+        if not len(self.kept):
+            return
+        last = path[-1] if path else self.root
+        prev = self._hashes(last)[-1] if path else seed
+        keys = self.kept.run(prev, key[matched:], self.page_size)
+        if not keys:
+            return
+        self.kept.take(keys)
+        tokens = key[matched : matched + len(keys) * self.page_size].copy()
+        node = self._new_node(tokens, _EMPTY, last)
+        node.on_disk, node.hashes = True, keys
+        node.last_access_time = self._clock
+        last.children[self._page_key(node.key)] = node
+        self._storage_keys.update(keys)
+        self._touch(node)
+        path.append(node)
 
     def _load_state(self, node: TreeNode) -> str:
         """``"ok"`` (no load, or it succeeded), ``"pending"`` or ``"failed"``; never waits."""
@@ -243,6 +281,7 @@ class TieredTree(RadixCache):
         if not self._storage_reserve(num_pages, protect | {id(node)}):
             return False
         keys = list(self._hashes(node))
+        self.kept.take(keys)  # a kept copy of the same page is rewritten: ours now
         self.copies.to_storage(self.storage, node.host_pages.copy(), keys)
         self._storage_keys.update(keys)
         node.on_disk = True
@@ -259,9 +298,13 @@ class TieredTree(RadixCache):
         return bool(node.value.size) or node.host_pages is not None or not node.children
 
     def _storage_reserve(self, num_pages: int, protect: set[int]) -> bool:
-        room = self.storage_capacity_pages - len(self._storage_keys)
+        room = self.storage_capacity_pages - len(self._storage_keys) - len(self.kept)
         if num_pages > self.storage_capacity_pages:
             return False
+        if room < num_pages and len(self.kept):  # kept pages nobody asked for go first
+            gone = self.kept.oldest(num_pages - room)
+            self.copies.delete(self.storage, gone)
+            room += len(gone)
         if num_pages <= room:
             return True
         kept = {}
@@ -277,6 +320,14 @@ class TieredTree(RadixCache):
         for node in kept.values():
             self._storage_heap.push(node)
         return room >= num_pages
+
+    def drop_kept(self) -> int:
+        """Delete every kept page no node holds (a flush: whose KV they are is not known
+        without their prefix); returns how many."""
+        gone = self.kept.clear()
+        if gone:
+            self.copies.delete(self.storage, gone)
+        return len(gone)
 
     def _delete_storage(self, node: TreeNode) -> None:
         keys = list(self._hashes(node))
@@ -431,7 +482,9 @@ class TieredTree(RadixCache):
             raise IntegrityError(
                 f"storage tier: nodes hold {len(disk_keys)} keys, index {len(self._storage_keys)}"
             )
-        if len(self._storage_keys) > self.storage_capacity_pages:
+        if not self.kept.keys().isdisjoint(self._storage_keys):
+            raise IntegrityError("storage tier: a kept page is also a node's")
+        if len(self._storage_keys) + len(self.kept) > self.storage_capacity_pages:
             raise IntegrityError("storage tier over its cap")
         self._check_eviction_heaps()
 
@@ -443,10 +496,11 @@ class TieredTree(RadixCache):
         if self.reap_failed_writes():
             self.settle()  # the deletes it issued
         stored = self.storage.keys()
-        if stored != self._storage_keys:
+        indexed = self._storage_keys | self.kept.keys()
+        if stored != indexed:
             raise IntegrityError(
-                f"storage tier: {len(stored - self._storage_keys)} stray pages, "
-                f"{len(self._storage_keys - stored)} missing"
+                f"storage tier: {len(stored - indexed)} stray pages, "
+                f"{len(indexed - stored)} missing"
             )
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ the host-store ops (offload, load, host_discard) are a mixin,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,7 @@ class KVPool(HostStoreOps):
         backend_options: dict[str, Any] | None = None,
         async_offload: bool = False,
         hicache: HiCacheConfig | None = None,
+        storage_seed: Callable[[str], str] | None = None,
     ) -> None:
         self.layout = layout
         # Offload copies return before they finish; freed pages wait for them.
@@ -129,7 +130,11 @@ class KVPool(HostStoreOps):
                         "the hierarchical cache needs the radix cache (drop --disable-radix-cache)"
                     )
                 self.tree = self.hicache = SWAHiRadixCache(
-                    self.allocator, self.buffers, hicache, layout.sliding_window
+                    self.allocator,
+                    self.buffers,
+                    hicache,
+                    layout.sliding_window,
+                    storage_seed=storage_seed,
                 )
                 self.swa = SWAWindows(self.table, self.allocator, self.tree, layout.sliding_window)
             elif layout.is_hybrid:
@@ -143,7 +148,9 @@ class KVPool(HostStoreOps):
                     raise InvalidArgumentError(
                         "the hierarchical cache needs the radix cache (drop --disable-radix-cache)"
                     )
-                self.tree = self.hicache = HiRadixCache(self.allocator, self.buffers, hicache)
+                self.tree = self.hicache = HiRadixCache(
+                    self.allocator, self.buffers, hicache, storage_seed=storage_seed
+                )
             else:
                 self.tree = RadixCache(self.allocator, disabled=disable_radix_cache)
             # a hybrid model's host store keeps the full KV and the SWA window's KV

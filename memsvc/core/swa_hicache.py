@@ -27,6 +27,7 @@ full bytes plus the SWA bytes its host copies hold (:meth:`_load_bytes`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
         sliding_window: int,
         *,
         storage: StorageBackend | None = None,
+        storage_seed: Callable[[str], str] | None = None,
     ) -> None:
         if sliding_window < 1:
             raise InvalidArgumentError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -89,7 +91,9 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
                 "the hierarchical cache's storage tier keeps full KV only, and a pure "
                 "sliding-window model has none (drop --hicache-storage-backend)"
             )
-        HiRadixCache.__init__(self, allocator, buffers, config, storage=storage)
+        HiRadixCache.__init__(
+            self, allocator, buffers, config, storage=storage, storage_seed=storage_seed
+        )
         self.sliding_window = sliding_window
         self._pins = np.zeros(allocator.num_pages + 1, dtype=np.int32)
         self._num_pinned_pages = 0

@@ -16,6 +16,10 @@ integrity check.
 Where: each memsvc has a private subdirectory of its own under the storage base
 (:mod:`memsvc.core.storage.tierdir`), so nothing a previous memsvc or another
 stack left is ever read; the tree that indexed a store dies with its memsvc.
+With ``--hicache-storage-keep`` the subdirectory outlives memsvc, and the next
+one finds a kept page through the page's key alone (:mod:`memsvc.core.storage.kept`):
+a key names the model, dtype, layout, page size, namespace and token prefix
+(:mod:`memsvc.core.identity`), and the page's checksum covers that key.
 """
 
 from __future__ import annotations
@@ -58,14 +62,15 @@ STORAGE_BACKENDS: dict[StorageBackendName, Callable[[StorageDir, int], StorageBa
 
 def create_storage(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
     """``config.storage_backend`` in a new private subdirectory of ``config.storage_dir``
-    (``None``: :func:`default_storage_base`), named after ``config.storage_role``."""
+    (``None``: :func:`default_storage_base`), named after ``config.storage_role``; with
+    ``config.storage_keep`` the role's kept subdirectory, pages and all."""
     make = STORAGE_BACKENDS.get(config.storage_backend)  # type: ignore[arg-type]
     if make is None:
         raise ValueError(
             f"unknown storage backend {config.storage_backend!r}; "
             f"choose from {tuple(b.value for b in StorageBackendName)}"
         )
-    directory = StorageDir(config.storage_dir, config.storage_role)
+    directory = StorageDir(config.storage_dir, config.storage_role, keep=config.storage_keep)
     try:
         return make(directory, page_bytes)
     except BaseException:

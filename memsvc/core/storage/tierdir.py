@@ -6,7 +6,11 @@
                                  O_EXCL | O_NOFOLLOW
 
 ``base`` is ``--hicache-storage-dir``, by default per user
-(:func:`default_storage_base`). Every file operation goes through the
+(:func:`default_storage_base`). With ``--hicache-storage-keep`` the
+subdirectory is ``kept-<role>`` instead: the same on every start, flock'ed
+while a memsvc runs (a second one on it is refused), its pages left in place
+at close for the next memsvc of that role (:mod:`memsvc.core.storage.kept`);
+only ``.tmp`` files a write left are removed at start. Every file operation goes through the
 subdirectory's descriptor, so no path is resolved twice and no link is
 followed. Two memsvc on one base (the PD nodes, two stacks) never share a
 subdirectory. A clean close deletes the pages this memsvc wrote and its
@@ -34,6 +38,7 @@ log = logging.getLogger("memsvc")
 SUFFIX = ".kvpage"
 _SUBDIR = re.compile(r"[a-z]+-\d+-[0-9a-f]{8}")
 _OUR_FILE = re.compile(r"[0-9a-f]{1,64}\.kvpage(\.tmp)?")
+_OUR_TMP = re.compile(r"[0-9a-f]{1,64}\.kvpage\.tmp")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -91,23 +96,38 @@ def _remove_names(dir_fd: int, names: Iterable[str]) -> None:
 class StorageDir:
     """This memsvc's subdirectory under ``base`` (see the module docstring)."""
 
-    def __init__(self, base: str | None, role: str = "normal") -> None:
+    def __init__(self, base: str | None, role: str = "normal", *, keep: bool = False) -> None:
         if not re.fullmatch(r"[a-z]+", role):
             raise InvalidArgumentError(f"bad hicache storage role {role!r}")
         self.base = os.path.abspath(base or default_storage_base())
+        self.keep = keep
         self._base_fd = _open_base(self.base)
         self.fd = -1
-        self.name = f"{role}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = f"kept-{role}" if keep else f"{role}-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(self.base, self.name)
         made = False
         try:
             self._reclaim_dead()
-            os.mkdir(self.name, 0o700, dir_fd=self._base_fd)
-            made = True
+            try:
+                os.mkdir(self.name, 0o700, dir_fd=self._base_fd)
+                made = True
+            except FileExistsError:
+                if not keep:
+                    raise
             self.fd = os.open(self.name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=self._base_fd)
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(self.fd, 0o700)  # whatever the umask made of it
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _unusable(
+                    self.path,
+                    "another memsvc keeps its storage tier there (give each its own "
+                    "--hicache-storage-dir)",
+                ) from None
+            if made:
+                os.fchmod(self.fd, 0o700)  # whatever the umask made of it
             _check_private(self.path, self.fd, exact=True)
+            if keep:  # a write a dead memsvc left half done
+                _remove_names(self.fd, [n for n in os.listdir(self.fd) if _OUR_TMP.fullmatch(n)])
         except BaseException as exc:
             if made:
                 with contextlib.suppress(OSError):
@@ -144,6 +164,9 @@ class StorageDir:
     def close(self, names: Iterable[str]) -> None:
         """Delete ``names`` (the files this memsvc wrote), then the subdirectory."""
         if self.fd < 0:
+            return
+        if self.keep:  # the pages stay for the next memsvc (their index is their names)
+            self._close_fds()
             return
         _remove_names(self.fd, names)
         try:

@@ -1,0 +1,92 @@
+"""The pages a kept storage tier holds that the tree has not met yet (``--hicache-storage-keep``).
+
+The tree finds storage pages through its nodes; after a restart it has none, so
+the kept directory's page names are its index: a match that runs past the tree
+continues the prefix's hash chain (:func:`~memsvc.core.hicache_tiers.page_hash_chain`,
+seeded by the namespace's :meth:`~memsvc.core.identity.KVIdentity.storage_seed`)
+page by page while each key is kept, and the tree adopts that run as a
+storage-only node (it leaves this index then). A kept page of another model,
+dtype, layout, page size or namespace has another key: it is never looked up,
+and goes, oldest first, when the tier needs room. A page found is still
+verified when it is read (its checksum covers its key and its bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+
+import numpy as np
+
+from memsvc.core.hicache_tiers import page_hash_chain
+from memsvc.core.storage.base import StorageBackend
+from memsvc.core.storage.tierdir import SUFFIX
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def stored_oldest_first(storage: StorageBackend) -> list[str]:
+    """The keys of ``storage``'s page files, least recently written first."""
+    fd = getattr(storage, "_fd", None)
+    if fd is None:  # a backend without a directory: its listing, in no particular order
+        return sorted(storage.keys())
+    aged = []
+    for name in os.listdir(fd):
+        key = name[: -len(SUFFIX)]
+        if not name.endswith(SUFFIX) or not key or len(key) > 64 or not _HEX.issuperset(key):
+            continue
+        with contextlib.suppress(OSError):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                aged.append((st.st_mtime_ns, key))
+    return [key for _, key in sorted(aged)]
+
+
+class KeptPages:
+    """Keys of kept pages no tree node holds, oldest first (a dict keeps the order)."""
+
+    def __init__(self, keys: list[str] = ()) -> None:
+        self._keys: dict[str, None] = dict.fromkeys(keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def keys(self) -> set[str]:
+        return set(self._keys)
+
+    def run(self, prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
+        """The keys of ``tokens``' whole pages after the key ``prev`` (a node's last key,
+        or a namespace's seed), as far as each is kept; ``[]`` at once when none is."""
+        out: list[str] = []
+        if not self._keys:
+            return out
+        for start in range(0, len(tokens) - page_size + 1, page_size):
+            (prev,) = page_hash_chain(prev, tokens[start : start + page_size], page_size)
+            if prev not in self._keys:
+                break
+            out.append(prev)
+        return out
+
+    def take(self, keys: list[str]) -> None:
+        """``keys`` leave the index (a node holds them now, or they are rewritten)."""
+        for key in keys:
+            self._keys.pop(key, None)
+
+    def oldest(self, num: int) -> list[str]:
+        """Take the ``num`` oldest keys out (to delete their pages)."""
+        out = []
+        for key in self._keys:
+            if len(out) >= num:
+                break
+            out.append(key)
+        self.take(out)
+        return out
+
+    def clear(self) -> list[str]:
+        out = list(self._keys)
+        self._keys.clear()
+        return out
