@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             backend_options=options,
             async_offload=config.async_offload,
             hicache=config.hicache,
+            storage_seed=config.identity.storage_seed,
         )
     except MemsvcError as exc:
         print(f"memsvc: error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from memsvc.cli import DEFAULT_NUM_PAGES, DEFAULT_PAGE_SIZE
 from memsvc.core.backends import BACKENDS
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.hicache_config import HiCacheConfig
+from memsvc.core.identity import KVIdentity
 from memsvc.core.layout import (
     DEFAULT_SWA_FULL_TOKENS_RATIO,
     LAYER_TYPES,
@@ -125,6 +126,14 @@ class MemsvcConfig:
         group=POOL,
         forward=True,
     )
+    model_digest: str | None = setting(
+        None,
+        "sha256 of the checkpoint's config and weights (kvstack serve / up pass it): it names "
+        "every stored KV page with the dtype, KV layout, page size and cache namespace; "
+        "--hicache-storage-keep needs it",
+        metavar="SHA256",
+        group=POOL,
+    )
     backend: str = setting(
         "shm",
         "shm: POSIX shared memory (no GPU); cuda: cupy + CUDA IPC",
@@ -206,6 +215,9 @@ class MemsvcConfig:
             object.__setattr__(self, "layout", self._hybrid_layout(self.layer_types))
         elif self.sliding_window:
             raise InvalidArgumentError("--sliding-window needs --layer-types")
+        identity = self.identity  # a bad --model-digest is refused here
+        if self.hicache is not None and self.hicache.storage_keep:
+            identity.require_model("--hicache-storage-keep")
         # The storage tier's subdirectory is named after the PD role.
         role = "normal" if self.pd_role == "none" else self.pd_role
         if self.hicache is not None and self.hicache.storage_role != role:
@@ -227,6 +239,11 @@ class MemsvcConfig:
         return hybrid_layout(
             self.layout, layer_types, self.sliding_window, self.swa_full_tokens_ratio
         )
+
+    @property
+    def identity(self) -> KVIdentity:
+        """Whose KV the pool's stored pages hold (seeds their keys: memsvc.core.identity)."""
+        return KVIdentity.of(self.layout, self.model_digest)
 
     @property
     def async_offload(self) -> bool:

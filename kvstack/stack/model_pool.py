@@ -1,5 +1,8 @@
 """What a checkpoint asks of the stack: memsvc's pool layout, and the worker's CPU threads.
 
+memsvc also gets the checkpoint's model digest (``--model-digest``,
+:mod:`kvstack.model.digest`), which names every KV page it stores.
+
 memsvc holds the KV of every layer, so its layout (layers, KV heads, head
 dimension) is the model's: the launcher reads it from the checkpoint's
 ``config.json`` instead of trusting flags. A layout flag a user passes anyway
@@ -55,6 +58,7 @@ def pool_layout_args(checkpoint: str | Path, given: Sequence[str] = ()) -> list[
     another value than the checkpoint's (and ``CheckpointError`` for a
     checkpoint whose config cannot be read).
     """
+    from kvstack.model.digest import model_digest
     from model_svc.config import ModelConfig
 
     config = ModelConfig.from_file(Path(checkpoint) / "config.json")
@@ -68,6 +72,8 @@ def pool_layout_args(checkpoint: str | Path, given: Sequence[str] = ()) -> list[
                 f"its config.json has {name} = {value}"
             )
         out += [flag, str(value)]
+    # the KV's model identity (memsvc.core.identity): a kept storage tier needs it
+    out += ["--model-digest", user.get("--model-digest") or model_digest(checkpoint)]
     return out + window_args(config, checkpoint, user)
 
 

@@ -200,7 +200,7 @@ def test_a_kept_page_that_lies_is_never_served(tmp_path):
     finish(pool)
     # Put a good page 0 back: the chain now meets the lying page 1 and is cut there.
     pool = keep_pool(tmp_path)
-    to_storage(pool, tokens[:PAGE + 1])
+    to_storage(pool, tokens[: PAGE + 1])
     finish(pool)
     pool = keep_pool(tmp_path)
     pool.open_request("r")
