@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from memsvc import adoption
 from memsvc import protocol as p
 from memsvc.core import KVPool
 from memsvc.core.errors import InvalidArgumentError, MemsvcError, UnknownRequestError
@@ -70,6 +71,7 @@ class MemService(BatchHandlers, PdHandlers):
         self.epoch = secrets.token_hex(8)
         self.sessions = SessionTable(config.reply_cache_bytes)
         self._row_session = np.zeros(pool.table.num_rows, dtype=np.int64)
+        self.journals = adoption.Journals()  # durable request records, per session
         self._handlers: dict[str, Callable[[Session, Any], Reply]] = {
             "heartbeat": self._heartbeat,
             "goodbye": self._goodbye,
@@ -94,6 +96,8 @@ class MemService(BatchHandlers, PdHandlers):
             "pd_send": self._pd_send,
             "pd_status": self._pd_status,
             "pd_forget": self._pd_forget,
+            "commit": lambda session, msg: (adoption.commit(self, session, msg), None),
+            "adopt": lambda session, msg: (adoption.adopt(self, session, msg), None),
         }
         self.transfer: TransferAgent | None = None  # set when memsvc has a PD role
 
@@ -210,7 +214,8 @@ class MemService(BatchHandlers, PdHandlers):
         return {}, None
 
     def _goodbye(self, session: Session, msg: p.Goodbye) -> Reply:
-        return {"reclaimed": self.reclaim(session)}, None
+        tokens = adoption.held_tokens(self, sorted(session.rids))
+        return {"reclaimed": self.reclaim(session), "reclaimed_tokens": tokens}, None
 
     def expire_sessions(self, now: float | None = None) -> list[str]:
         """Reclaim every session whose lease ran out; returns their ids."""
@@ -231,6 +236,7 @@ class MemService(BatchHandlers, PdHandlers):
     def reclaim(self, session: Session) -> list[str]:
         """Free everything the session holds: rows, pages, locks, host-store entries."""
         rids = self.sessions.close(session)
+        self.journals.forget(session.sid)
         for rid in rids:
             if self.transfer is not None:
                 self.transfer.forget_rid(rid)
@@ -262,6 +268,13 @@ class MemService(BatchHandlers, PdHandlers):
         if (self._row_session[rows] != session.num).any():
             raise NotOwnerError("a row in the batch belongs to another session")
         session.checked_rows = key
+
+    def adopt_rows(self, session: Session, rows: list[int]) -> None:
+        """``rows`` now belong to ``session`` (:mod:`memsvc.adoption`)."""
+        self._row_session[rows] = session.num
+
+    def settle_rids(self, *rids: str) -> None:
+        self._settle(*rids)
 
     def _sync_row_owners(self) -> None:
         """Rows freed by the last op no longer belong to anyone."""

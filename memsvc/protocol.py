@@ -305,6 +305,50 @@ class PdForget(Message):
     rooms: IntArray
 
 
+class Commit(Message):
+    """A scheduler's durable request records (:mod:`memsvc.adoption`), append-only.
+
+    ``new_*``: records opened (the scheduler's opaque ``meta`` and the prompt's
+    length); ``rids`` / ``entries`` (``ENTRY_FIELDS`` ints per rid: the output offset
+    of its first new token, how many, the KV positions known written, the retract
+    count) with the new tokens concatenated in ``token_ids``; ``drop``: records closed.
+    """
+
+    op: Literal["commit"]
+    new_rids: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
+    new_meta: list[bytes] = Field(default_factory=list, max_length=MAX_BATCH)
+    new_prompt_lens: list[int] = Field(default_factory=list, max_length=MAX_BATCH)
+    rids: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
+    entries: IntArray | None = None
+    token_ids: IntArray | None = None
+    drop: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
+    ratio: float | None = None
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Commit:
+        if not len(self.new_rids) == len(self.new_meta) == len(self.new_prompt_lens):
+            raise ValueError("new_rids, new_meta and new_prompt_lens need one item per record")
+        if self.rids and (self.entries is None or self.token_ids is None):
+            raise ValueError("rids need entries and token_ids")
+        if self.entries is not None and self.entries.size != COMMIT_ENTRY_FIELDS * len(self.rids):
+            raise ValueError(f"entries needs {COMMIT_ENTRY_FIELDS} ints per rid")
+        for names in (self.new_rids, self.rids, self.drop):
+            if len(set(names)) != len(names):
+                raise ValueError("a rid appears twice in one list")
+        return self
+
+
+COMMIT_ENTRY_FIELDS = 4  # offset, num_tokens, kv_committed, retractions
+
+
+class Adopt(Message):
+    """A restarted scheduler takes over its dead predecessor's session (its rows,
+    host-store entries, prefix locks and records), proving it by the session id."""
+
+    op: Literal["adopt"]
+    predecessor: str = Field(min_length=1, max_length=64)
+
+
 Request = Annotated[
     Hello
     | Heartbeat
@@ -329,7 +373,9 @@ Request = Annotated[
     | PdExpect
     | PdSend
     | PdStatus
-    | PdForget,
+    | PdForget
+    | Commit
+    | Adopt,
     Field(discriminator="op"),
 ]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
@@ -358,6 +404,8 @@ MUTATING_OPS = frozenset(
         "pd_expect",
         "pd_send",
         "pd_forget",
+        "commit",
+        "adopt",
     }
 )
 

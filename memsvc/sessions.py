@@ -115,6 +115,19 @@ class SessionTable:
     def expired(self, now: float) -> list[Session]:
         return [s for s in self._sessions.values() if s.expired(now)]
 
+    def find(self, sid: str) -> Session | None:
+        """The live session ``sid`` (its lease not renewed), or None."""
+        return self._sessions.get(sid)
+
+    def transfer(self, old: Session, new: Session) -> None:
+        """``old``'s requests become ``new``'s and ``old`` ends, nothing reclaimed
+        (:mod:`memsvc.adoption`)."""
+        self._sessions.pop(old.sid, None)
+        for rid in old.rids:
+            self._owner_of[rid] = new
+        new.rids |= old.rids
+        old.rids = set()
+
     # -- ownership -------------------------------------------------------------
 
     def check_owner(self, session: Session, rid: str) -> None:
