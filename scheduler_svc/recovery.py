@@ -79,6 +79,9 @@ class RecoveryStats:
     rolled_back_reqs: int = 0  # requests taken out of a half-built prefill batch
     not_owner_waits: int = 0
     failures: int = 0  # faults that ended every live request
+    # A restart after the scheduler died: KV tokens of the dead scheduler's requests that
+    # memsvc freed (each to be computed again), and what this scheduler adopted instead.
+    reprefilled_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -100,14 +103,25 @@ async def end_session(
     curve: CurveClientKeys | None = None,
 ) -> bool:
     """Say goodbye for ``session`` (memsvc reclaims all it held); True if memsvc ended it."""
+    return (await goodbye(address, session, timeout_s, curve=curve)) is not None
+
+
+async def goodbye(
+    address: str,
+    session: str,
+    timeout_s: float = GOODBYE_TIMEOUT_S,
+    *,
+    curve: CurveClientKeys | None = None,
+) -> dict[str, Any] | None:
+    """:func:`end_session`, returning memsvc's reply (None: it did not end it)."""
     ctx = zmq.asyncio.Context()
     sock = rpc.dealer(ctx, address, curve)
     try:
         frames = wire.pack({"op": "goodbye", "op_id": 1, "session": session})
         reply = await rpc.request_async(sock, frames, 1, timeout_s, 1)
-        return bool(reply.get("ok"))
+        return reply if reply.get("ok") else None
     except rpc.NoReplyError:
-        return False
+        return None
     finally:
         sock.close(0)
         ctx.term()
@@ -150,8 +164,10 @@ class Recovery:
         with contextlib.suppress(OSError):
             old = self.session_file.read_text().strip()
             if old and old != self.engine.mem.session:
-                ended = await end_session(self.memsvc_address, old, curve=self.curve)
-                log.info("ended the previous scheduler's memsvc session: %s", ended)
+                reply = await goodbye(self.memsvc_address, old, curve=self.curve)
+                if reply is not None:
+                    self.stats.reprefilled_tokens += int(reply.get("reclaimed_tokens", 0))
+                log.info("ended the previous scheduler's memsvc session: %s", reply is not None)
         self._record_session()
 
     def _record_session(self) -> None:

@@ -1,0 +1,65 @@
+"""Issue 32, part 1: a scheduler killed mid-decode is restarted and adopts the KV memsvc
+still holds; nothing is re-prefilled.
+
+The supervised normal stack of :mod:`tests.faults.harness` (a 256-token pool, a low
+schedule conservativeness and SGLang's testing retract, so the workload retracts),
+the scheduler SIGKILLed once the streams have delivered a seeded number of tokens
+(mid-decode; memsvc and model_svc survive). Clients re-submit under the same rids
+and must get every token once, identical to the fault-free reference, and the
+stack must end idle with nothing leaked. The restarted scheduler's
+``recovery.reprefilled_tokens`` counts the KV tokens of the dead scheduler's
+requests that memsvc freed, each to be computed again: before adoption it ended
+the dead session and every KV holder was re-prefilled (the count was the whole
+held KV); with adoption it is 0. Printed for the record either way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from tests.faults.harness import FaultHarness, temp_workdir
+from tests.faults.test_faults import check
+
+SEED = 11
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[FaultHarness]:
+    workdir = temp_workdir()
+    try:
+        with FaultHarness(workdir, SEED) as running:
+            yield running
+        assert not running.leftovers, running.leftovers
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("index, trigger", [(1, 40), (2, 120)])
+def test_scheduler_killed_mid_decode_adopts_without_reprefill(
+    harness: FaultHarness, index: int, trigger: int
+) -> None:
+    result = harness.run(harness.scenario(index, "kill_scheduler_svc", trigger=trigger))
+    recovery = harness.info()["recovery"]
+    print(
+        "ADOPT",
+        json.dumps(
+            {
+                "trigger_tokens": trigger,
+                "reprefilled_tokens": recovery["reprefilled_tokens"],
+                "adopted_reqs": recovery.get("adopted_reqs"),
+                "adopted_kv_tokens": recovery.get("adopted_kv_tokens"),
+                "discarded_step_tokens": recovery.get("discarded_step_tokens"),
+                "outcomes": {s: result.count(s) for s in ("identical", "error", "mismatch")},
+            }
+        ),
+    )
+    check(result, "sigkill_scheduler_svc")
+    assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
+    assert recovery["reprefilled_tokens"] == 0, recovery
+    assert recovery["adopted_reqs"] > 0, recovery
