@@ -26,6 +26,7 @@ them waits for their fences instead of failing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,6 +77,9 @@ class PageAllocator:
         self._reads: list[tuple[CopyFence, np.ndarray]] = []
         self._pending: deque[tuple[list[CopyFence], np.ndarray]] = deque()
         self._num_pending = 0
+        # Told of every allocation (pages, owner) before it returns: --zero-freed-kv's
+        # scrubber (memsvc.core.scrub) zeroes tainted pages there.
+        self.on_alloc: Callable[[np.ndarray, int | np.ndarray], None] | None = None
 
     # -- sizes -----------------------------------------------------------------
 
@@ -152,6 +156,8 @@ class PageAllocator:
         pages = self._free[top - num_pages : top][::-1].copy()
         self._num_free = top - num_pages
         self._owner[pages] = owner
+        if self.on_alloc is not None:
+            self.on_alloc(pages, owner)
         return pages
 
     def free_pages(self, pages: np.ndarray, owner: int | None = None) -> None:

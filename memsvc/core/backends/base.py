@@ -129,6 +129,12 @@ class KVBuffers(ABC):
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         """KV of the given token slots, ``[n, layers, 2, heads, dim]`` on the host."""
 
+    def zero_pages(self, pages: np.ndarray, *, swa: bool = False) -> None:
+        """Zero whole pool pages (the SWA pool's with ``swa``); returns when they are zero."""
+        buffer = self.swa_kv if swa else self.kv
+        for _, first, length in page_runs(np.asarray(pages, dtype=np.int64)):
+            buffer[first : first + length] = 0
+
     @abstractmethod
     def write_slots(self, slots: np.ndarray, data: np.ndarray) -> None:
         """Inverse of :meth:`read_slots`."""

@@ -155,6 +155,17 @@ class CudaBuffers(KVBuffers):
     def scatter_pages(self, src: np.ndarray, pages: np.ndarray) -> None:
         self._copy_runs(np.ascontiguousarray(src), pages, _HOST_TO_DEVICE)
 
+    def zero_pages(self, pages: np.ndarray, *, swa: bool = False) -> None:
+        """One ``cudaMemsetAsync`` per run of pages on the copy stream (after any copy
+        still queued there), then wait."""
+        page_bytes = self.layout.bytes_per_page
+        runtime = self._cp.cuda.runtime
+        with self._cp.cuda.Device(self.device):
+            for _, first, length in page_runs(np.asarray(pages, dtype=np.int64)):
+                ptr = self._kv_mem.ptr + first * page_bytes
+                runtime.memsetAsync(ptr, 0, length * page_bytes, self.stream.ptr)
+            self.stream.synchronize()
+
     def read_slots(self, slots: np.ndarray) -> np.ndarray:
         cp = self._cp
         page_size = self.layout.page_size
