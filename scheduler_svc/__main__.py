@@ -44,6 +44,7 @@ async def serve(
 ) -> int:
     from model_svc.config import ModelConfig
     from model_svc.tokenizer import ByteTokenizer, load_tokenizer
+    from scheduler_svc.adopt import Journal
     from scheduler_svc.engine import Engine
     from scheduler_svc.pd.decode import DecodeEngine
     from scheduler_svc.pd.prefill import PrefillEngine
@@ -93,6 +94,8 @@ async def serve(
             eos_token_ids=model_config.eos_token_ids,
             capacity=mem.hello_info["capacity"],
         )
+        if config.mode == "normal":  # records a successor adopts (scheduler_svc.adopt)
+            engine.journal = Journal(owner_of=lambda rid: None)
         recovery = Recovery(
             engine,
             connect_mem,

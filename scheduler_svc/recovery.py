@@ -26,8 +26,9 @@ consistent state:
   live request with an explicit error (then reclaims the KV with a new session).
 
 The session id of the live session is kept in ``session_file`` (if given), so
-a scheduler restarted by the supervisor ends its dead predecessor's session at
-once instead of waiting for the lease to run out.
+a scheduler restarted by the supervisor adopts its dead predecessor's session
+(its requests and their KV, :mod:`scheduler_svc.adopt`: nothing re-prefilled),
+or, when it cannot, ends it at once instead of waiting for the lease to run out.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from memsvc.core.errors import MemsvcError
 from memsvc.curve import CurveClientKeys
 from memsvc.sessions import NotOwnerError, UnknownSessionError
 from model_svc.client import ForwardError
+from scheduler_svc import adopt
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
@@ -82,6 +84,9 @@ class RecoveryStats:
     # A restart after the scheduler died: KV tokens of the dead scheduler's requests that
     # memsvc freed (each to be computed again), and what this scheduler adopted instead.
     reprefilled_tokens: int = 0
+    adopted_reqs: int = 0
+    adopted_kv_tokens: int = 0
+    discarded_step_tokens: int = 0  # slots of the step in flight at the death, freed
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -152,23 +157,53 @@ class Recovery:
         self.recovery_timeout_s = recovery_timeout_s
         self.session_file = Path(session_file) if session_file else None
         self.stats = RecoveryStats()
+        self.adopted: adopt.Adopted | None = None  # what adopt_session took over
         self._consecutive = 0
         self._blocked: tuple[str, float] | None = None  # (rid, since) refused as not ours
 
     # -- start-up --------------------------------------------------------------
 
     async def adopt_session(self) -> None:
-        """End the session a dead predecessor left in ``session_file``, then record ours."""
+        """Take over the session a dead predecessor left in ``session_file`` (its
+        requests and their KV, :mod:`scheduler_svc.adopt`), or end it when this engine
+        keeps no journal or memsvc refuses; then record ours."""
         if self.session_file is None:
             return
         with contextlib.suppress(OSError):
             old = self.session_file.read_text().strip()
-            if old and old != self.engine.mem.session:
+            if old and old != self.engine.mem.session and not await self._adopt(old):
                 reply = await goodbye(self.memsvc_address, old, curve=self.curve)
                 if reply is not None:
                     self.stats.reprefilled_tokens += int(reply.get("reclaimed_tokens", 0))
                 log.info("ended the previous scheduler's memsvc session: %s", reply is not None)
         self._record_session()
+
+    async def _adopt(self, old: str) -> bool:
+        if self.engine.journal is None:
+            return False
+        try:
+            reply = await adopt.adopt(self.engine, old)
+        except MemsvcError as exc:
+            log.info("did not adopt the previous scheduler's memsvc session: %s", exc)
+            return False
+        adopted = adopt.rebuild(self.engine, reply)
+        self.adopted = adopted
+        stats = self.stats
+        stats.adopted_reqs += len(reply["records"])
+        stats.adopted_kv_tokens += adopted.kv_tokens
+        stats.discarded_step_tokens += adopted.trimmed_tokens
+        stats.reprefilled_tokens += adopted.freed_tokens
+        log.warning(
+            "adopted the previous scheduler's session: %d requests (%d decoding on, %d in the "
+            "host store, %d waiting for their client), %d KV tokens kept, %d freed",
+            len(reply["records"]),
+            adopted.running,
+            adopted.from_host,
+            len(adopted.parked),
+            adopted.kv_tokens,
+            adopted.freed_tokens,
+        )
+        return True
 
     def _record_session(self) -> None:
         if self.session_file is None or self.engine.mem.session is None:
@@ -257,6 +292,8 @@ class Recovery:
         old_session = old.session
         self.engine.mem = fresh
         self.stats.memsvc_resets += 1
+        if self.engine.journal is not None:  # the new session has none of our records
+            self.engine.journal.reset()
         close = getattr(old, "close", None)  # an in-process client (tests, sim) has none
         if close is not None:
             await close(goodbye=False)

@@ -21,7 +21,7 @@ from scheduler_svc.core import FinishAbort, FinishMatchedStr, FinishMatchedToken
 class Waiter:
     """Where a request's replies go."""
 
-    identity: bytes
+    identity: bytes | None  # None: an adopted request whose client has not re-attached
     op_id: int
     stream: bool
     started: float

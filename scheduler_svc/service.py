@@ -46,6 +46,7 @@ from memsvc.reply_cache import ReplyCache
 from memsvc.server import remove_endpoint, serve_tasks
 from model_svc.errors import ModelSvcError
 from scheduler_svc import protocol as p
+from scheduler_svc.adopt import ADOPT_EXPIRED_STATUS, Adopted, Owner, Reattach
 from scheduler_svc.core import Req, RequestTooLargeError
 from scheduler_svc.engine import Engine
 from scheduler_svc.intake import fingerprint, new_req, refusal
@@ -113,6 +114,12 @@ class SchedulerService:
         self._flushes: list[tuple[bytes, int, str | None]] = []
         self.stall = StallWatch()
         engine.emit = self._emit
+        # A restarted scheduler's adopted requests wait for their clients (scheduler_svc.adopt).
+        self.reattach: Reattach | None = None
+        if engine.journal is not None:
+            engine.journal.owner_of = self._owner_of
+        if self.recovery.adopted is not None:
+            self._await_clients(self.recovery.adopted)
         if mode == "decode":
             engine.on_rebootstrap = self._rebootstrap
 
@@ -172,6 +179,7 @@ class SchedulerService:
     async def _loop(self) -> None:
         while True:
             await self._flush_cache()
+            self._expire_adopted()
             self.stall.step_begins(time.monotonic())
             progressed = False
             try:
@@ -333,10 +341,43 @@ class SchedulerService:
             msg.stream,
             0,
         )
+        if self.reattach is not None and self.reattach.waiting_for_client(msg.rid):
+            parked = self.reattach.attached(msg.rid)
+            if parked is not None:  # adopted without KV: it runs now its client is back
+                self.engine.submit(parked)
         req = self.engine.reqs.get(msg.rid)
         if req is not None and not req.is_finished:
             self._emit(req, False)
         return None
+
+    # -- adopted requests (scheduler_svc.adopt) ------------------------------------
+
+    def _owner_of(self, rid: str) -> Owner | None:
+        waiter = self._waiters.get(rid)
+        if waiter is None or waiter.scoring:
+            return None
+        return Owner(waiter.client, waiter.fingerprint, waiter.stream)
+
+    def _await_clients(self, adopted: Adopted) -> None:
+        """Each adopted request gets a detached waiter: its client re-submits to attach."""
+        now = time.monotonic()
+        self.reattach = Reattach(adopted)
+        for rid, owner in adopted.owners.items():
+            self._waiters[rid] = Waiter(
+                None, 0, owner.stream, now, fingerprint=owner.fingerprint, client=owner.client
+            )
+
+    def _expire_adopted(self) -> None:
+        """Adopted requests whose client did not come back in time end with an error."""
+        if self.reattach is None:
+            return
+        for rid in self.reattach.due(time.monotonic()):
+            parked = self.reattach.parked_req(rid)
+            if parked is not None:  # holds no KV: it ends here
+                parked.abort(self.reattach.message, ADOPT_EXPIRED_STATUS)
+                self._emit(parked, True)
+            else:  # its KV is released with it
+                self.engine.abort(rid, self.reattach.message, ADOPT_EXPIRED_STATUS)
 
     # -- replies -----------------------------------------------------------------
 
@@ -346,13 +387,14 @@ class SchedulerService:
             return
         if not finished:
             header = chunk_header(req, waiter, time.monotonic())
-            if header is not None:
+            if header is not None and waiter.identity is not None:  # None: no client yet
                 waiter.sent = len(req.output_ids)
                 self._outbox.put_nowait([waiter.identity, *wire.pack(header)])
             return
         del self._waiters[req.rid]
         (packed,) = wire.pack(done_header(req, waiter, time.monotonic(), self.tokenizer))
-        self._outbox.put_nowait([waiter.identity, packed])
+        if waiter.identity is not None:
+            self._outbox.put_nowait([waiter.identity, packed])
         self._finished.put(req.rid, (waiter.client, waiter.fingerprint, packed), len(packed))
 
     async def _fail_everything(self, why: str) -> None:
@@ -395,6 +437,8 @@ class SchedulerService:
             "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
             "recovery": {
                 **self.recovery.stats.as_dict(),
+                "journal": engine.journal.stats() if engine.journal is not None else None,
+                "adopt_expired": self.reattach.expired if self.reattach is not None else 0,
                 "model_resends": getattr(engine.model, "resends", 0),
             },
             **self.model_info,

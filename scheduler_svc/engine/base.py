@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memsvc.client import AsyncMemClient
 from model_svc.client import AsyncModelClient
@@ -24,6 +24,9 @@ from scheduler_svc.core import NewTokenRatioTracker, Req, ReqState, SchedulerCon
 from scheduler_svc.core.retract_cost import RetractCostModel
 from scheduler_svc.core.swa_budget import SwaSizes, SwaSpec, swa_sizes_of, swa_spec_of
 from scheduler_svc.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from scheduler_svc.adopt import Journal
 
 Emit = Callable[[Req, bool], None]  # (request, finished): new tokens or the final result
 HOLDS_KV = (ReqState.PREFILLING, ReqState.RUNNING)  # the states in which a request has KV
@@ -54,6 +57,9 @@ class EngineBase:
         self.chunked: Req | None = None
         self.reqs: dict[str, Req] = {}  # every request not yet finished or aborted
         self.stats = EngineStats()
+        # What a restarted scheduler needs, committed to memsvc (scheduler_svc.adopt);
+        # None: nothing is committed (PD engines, tests).
+        self.journal: Journal | None = None
         self._commands: deque[tuple[str, Any]] = deque()
         layout = mem.layout
         self.cost = RetractCostModel(
@@ -66,13 +72,15 @@ class EngineBase:
     def submit(self, req: Req) -> None:
         self._commands.append(("submit", req))
 
-    def abort(self, rid: str) -> bool:
+    def abort(
+        self, rid: str, message: str = "Aborted by the client.", status_code: int = 499
+    ) -> bool:
         """Queue an abort; True if ``rid`` is a live request."""
         if rid not in self.reqs and not any(
             kind == "submit" and item.rid == rid for kind, item in self._commands
         ):
             return False
-        self._commands.append(("abort", rid))
+        self._commands.append(("abort", (rid, message, status_code)))
         return True
 
     @property
@@ -89,8 +97,14 @@ class EngineBase:
             if kind == "submit":
                 self.reqs[item.rid] = item
                 self._enqueue(item)
-            elif item in self.reqs:
-                await self._abort(self.reqs[item], "Aborted by the client.", 499)
+            elif item[0] in self.reqs:
+                await self._abort(self.reqs[item[0]], *item[1:])
+
+    async def commit_journal(self) -> None:
+        """Commit what changed for a successor (scheduler_svc.adopt); no round trip if
+        nothing did."""
+        if self.journal is not None:
+            await self.journal.commit(self)
 
     def _enqueue(self, req: Req) -> None:
         """A submitted request joins the queue it starts in: ``waiting`` here."""

@@ -84,13 +84,13 @@ class DecodeRound(EngineBase):
         """
         ahead = self._ahead_candidates(batch)
         forward = self._timed_decode(batch)
-        if not ahead:
+        if not ahead and self.journal is None:
             return await forward
         outcome = await asyncio.gather(
-            forward, self.mem.decode_step([r.row for r in ahead]), return_exceptions=True
+            forward, self._commit_and_reserve(ahead), return_exceptions=True
         )
         result, reserved = outcome
-        if not isinstance(reserved, BaseException) and reserved.fits:
+        if reserved is not None and not isinstance(reserved, BaseException) and reserved.fits:
             for req in ahead:
                 req.slot_reserved = True
             self.stats.reserved_ahead_steps += 1
@@ -100,6 +100,12 @@ class DecodeRound(EngineBase):
             if isinstance(failure, BaseException):
                 raise failure
         return result
+
+    async def _commit_and_reserve(self, ahead: list[Req]) -> Any:
+        """memsvc's side of a decode step, while the worker runs it: the journal's commit
+        of the last step (scheduler_svc.adopt), then the next step's slots (None: none)."""
+        await self.commit_journal()
+        return await self.mem.decode_step([r.row for r in ahead]) if ahead else None
 
     async def _timed_decode(self, batch: list[Req]) -> Any:
         """The worker's decode forward pass of ``batch``, its wall time in ``decode_s``."""
@@ -133,6 +139,7 @@ class DecodeRound(EngineBase):
         reserved = [r for r in self.running if r.slot_reserved]
         if not reserved:
             return
+        await self.commit_journal()  # memsvc's KV changes: the records first
         await self.mem.cache_unfinished_many([(r.rid, r.fill_ids[: r.kv_len]) for r in reserved])
         for req in reserved:
             req.slot_reserved = False
@@ -142,6 +149,7 @@ class DecodeRound(EngineBase):
 
     async def _retract(self, *, kv_full: bool) -> None:
         """Retract from the running batch in victim order (memsvc stops when the step fits)."""
+        await self.commit_journal()  # memsvc's KV changes: the records first
         order = retraction_order(self.running, self.config, self.stats.forward_passes, self.cost)
         ordered = [self.running[i] for i in order]
         old_ratio = self.ratio.current

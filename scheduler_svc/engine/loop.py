@@ -13,6 +13,7 @@ class Engine(PrefillRound, DecodeRound):
         """One iteration; False when there was nothing to do."""
         await self._apply_commands()
         if await self._prefill_round():
+            await self.commit_journal()  # a first token, a resume: recorded before the next step
             return True
         if self.running:
             await self._decode_round()

@@ -1,0 +1,335 @@
+"""A restarted scheduler adopts its dead predecessor's requests and KV (issue 32, part 1).
+
+memsvc outlives the scheduler and keeps, in the scheduler's session, what a
+successor needs (:mod:`memsvc.adoption`). This module is the scheduler's side:
+
+- :class:`Journal` (the engine's ``journal``, normal mode) commits each
+  request once when it is first seen (its :func:`pack_meta` record: rid, the
+  owning client and its fingerprint, prompt, sampling, priority, namespace),
+  then only what changed: new output tokens (append-only), the KV positions
+  known written (those of its row when it is RUNNING, each position written
+  by a forward pass that completed), the retract count; and closes the
+  records of requests that ended. The decode round sends it beside the
+  forward pass (hidden behind it); the engine also commits at once after a
+  prefill round (a first token, a resume from the host store) and before a
+  retract or a hand-back of reserved slots (which change the KV memsvc holds),
+  so that memsvc's KV never runs ahead of the records by more than the step
+  in flight.
+- :func:`adopt` (at start-up, from :meth:`Recovery.adopt_session`) asks
+  memsvc to move the predecessor's session into ours, then rebuilds the
+  queues from the records (:func:`rebuild`): a request whose row memsvc kept
+  (cut back to its committed KV: the step in flight is discarded) decodes on;
+  one whose KV is in the host store waits to be loaded back; one with no KV
+  (waiting, retracted with its KV freed, or ended just before the death) is
+  parked until its client re-submits it.
+- :class:`Reattach` (the service's): every adopted request gets a detached
+  waiter with its client and fingerprint; a client re-submitting the same
+  request under the same rid attaches to it (and its stream restarts at 0:
+  the client drops what it already has, so it sees each token once). A
+  request no client reattaches to within ``grace_s`` ends with an explicit
+  error and its KV is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+from memsvc import protocol as wire
+from memsvc.client import Call
+from memsvc.core.errors import MemsvcError
+from scheduler_svc.core import Req, ReqState, SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine.base import EngineBase
+
+log = logging.getLogger("scheduler_svc")
+
+RECORD_VERSION = 1
+ADOPT_GRACE_S = 30.0  # an adopted request no client re-submits within this ends with an error
+ADOPT_EXPIRED_MESSAGE = (
+    "The scheduler restarted and adopted this request, but no client re-attached to it "
+    "within {grace:.0f}s."
+)
+ADOPT_EXPIRED_STATUS = 503
+
+
+class Owner(NamedTuple):
+    """Who submitted a request, as the service knows it (a re-submission must match)."""
+
+    client: str
+    fingerprint: str
+    stream: bool
+
+
+# -- records ---------------------------------------------------------------------
+
+
+def adoptable(req: Req) -> bool:
+    """Whether a successor can continue ``req`` exactly: not a PD hand-off, and no
+    logprobs (the records keep no logprobs)."""
+    return req.bootstrap_room is None and not req.return_logprob
+
+
+def pack_meta(req: Req, owner: Owner) -> bytes:
+    """The scheduler's record of ``req`` (opaque to memsvc): what a successor needs."""
+    sp = req.sampling_params
+    return msgpack.packb(
+        {
+            "v": RECORD_VERSION,
+            "client": owner.client,
+            "fingerprint": owner.fingerprint,
+            "stream": owner.stream,
+            "prompt": req.origin_input_ids,
+            "priority": req.priority,
+            "namespace": req.namespace,
+            "sampling": {
+                "max_new_tokens": sp.max_new_tokens,
+                "ignore_eos": sp.ignore_eos,
+                "stop_token_ids": sorted(sp.stop_token_ids),
+                "min_new_tokens": sp.min_new_tokens,
+                "stop": list(sp.stop),
+                "no_stop_trim": sp.no_stop_trim,
+                "skip_special_tokens": sp.skip_special_tokens,
+                "draw": dict(sp.draw),
+            },
+        },
+        use_bin_type=True,
+    )
+
+
+def unpack_meta(meta: bytes) -> dict[str, Any]:
+    record = msgpack.unpackb(meta, raw=False, strict_map_key=False)
+    if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
+        raise ValueError("not a record this scheduler wrote")
+    return record
+
+
+# -- the journal -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Committed:
+    outputs: int
+    kv: int
+    retractions: int
+
+
+class CommitCost(NamedTuple):
+    calls: int
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class Journal:
+    """What of each live request memsvc has been told (see the module docstring).
+
+    ``owner_of(rid)``: the request's :class:`Owner` (None: not known yet; it is
+    recorded once it is).
+    """
+
+    owner_of: Callable[[str], Owner | None]
+    committed: dict[str, _Committed] = field(default_factory=dict)
+    measure: bool = False  # count the bytes each commit sends (packs it once more)
+    calls: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        """A new memsvc session without our records (memsvc lost them): record anew."""
+        self.committed.clear()
+
+    def _changes(self, engine: EngineBase) -> tuple[dict[str, Any], dict[str, np.ndarray], dict]:
+        new_rids, new_meta, prompt_lens = [], [], []
+        rids, entries, tokens = [], [], []
+        after: dict[str, _Committed] = {}
+        for rid, req in engine.reqs.items():
+            if req.is_finished or not adoptable(req):
+                continue
+            before = self.committed.get(rid)
+            if before is None:
+                owner = self.owner_of(rid)
+                if owner is None:
+                    continue
+                new_rids.append(rid)
+                new_meta.append(pack_meta(req, owner))
+                prompt_lens.append(len(req.origin_input_ids))
+                before = _Committed(0, 0, 0)
+            # RUNNING between steps: every position but the last token's is written
+            kv = req.kv_len if req.state is ReqState.RUNNING else 0
+            now = _Committed(len(req.output_ids), kv, req.retraction_count)
+            if now == before and rid in self.committed:
+                continue
+            rids.append(rid)
+            entries += [before.outputs, now.outputs - before.outputs, kv, now.retractions]
+            tokens += req.output_ids[before.outputs :]
+            after[rid] = now
+        live = engine.reqs
+        drop = [rid for rid in self.committed if rid not in live or live[rid].is_finished]
+        fields: dict[str, Any] = {"ratio": engine.ratio.current}
+        arrays: dict[str, np.ndarray] = {}
+        if new_rids:
+            fields.update(new_rids=new_rids, new_meta=new_meta, new_prompt_lens=prompt_lens)
+        if rids:
+            fields["rids"] = rids
+            arrays = {
+                "entries": np.asarray(entries, dtype=wire.ARRAY_DTYPE),
+                "token_ids": np.asarray(tokens, dtype=wire.ARRAY_DTYPE),
+            }
+        if drop:
+            fields["drop"] = drop
+        return fields, arrays, {"after": after, "drop": drop}
+
+    async def commit(self, engine: EngineBase) -> None:
+        """Send what changed since the last commit (nothing: no round trip)."""
+        fields, arrays, applied = self._changes(engine)
+        if len(fields) == 1:  # the ratio alone: it goes with the next real change
+            return
+        started = time.perf_counter()
+        call = Call("commit", fields, arrays or None, lambda header, arrays: header)
+        await engine.mem._invoke(call)
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        if self.measure:
+            self.bytes_sent += sum(map(len, wire.pack({"op": "commit", **fields}, arrays or None)))
+        self.committed.update(applied["after"])
+        for rid in applied["drop"]:
+            self.committed.pop(rid, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "commit_calls": self.calls,
+            "commit_bytes": self.bytes_sent,
+            "commit_s": self.seconds,
+            "records": len(self.committed),
+        }
+
+
+# -- adoption --------------------------------------------------------------------
+
+
+@dataclass
+class Adopted:
+    """What :func:`rebuild` made of the predecessor's records."""
+
+    owners: dict[str, Owner] = field(default_factory=dict)
+    parked: dict[str, Req] = field(default_factory=dict)  # no KV: they wait for their client
+    running: int = 0
+    from_host: int = 0
+    kv_tokens: int = 0  # KV positions adopted (rows and host entries)
+    freed_tokens: int = 0  # KV memsvc freed: to be computed again
+    trimmed_tokens: int = 0  # slots of the step in flight, discarded
+
+
+async def adopt(engine: EngineBase, predecessor: str) -> dict[str, Any]:
+    """Ask memsvc to move ``predecessor``'s session into the engine's; its reply.
+
+    Raises :class:`MemsvcError` (``adopt_refused`` when memsvc refuses: the
+    predecessor is gone, or not ours to take).
+    """
+    call = Call("adopt", {"predecessor": predecessor}, None, lambda header, arrays: header)
+    return await engine.mem._invoke(call)
+
+
+def rebuild(engine: EngineBase, reply: dict[str, Any]) -> Adopted:
+    """Put the adopted requests into the engine's queues (see the module docstring)."""
+    adopted = Adopted(freed_tokens=reply["freed_tokens"], trimmed_tokens=reply["trimmed_tokens"])
+    journal = engine.journal
+    to_host: list[Req] = []
+    for item in reply["records"]:
+        try:
+            meta = unpack_meta(item["meta"])
+            req = _req_of(item, meta)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("adopt: record %s unreadable (%s): left to its client", item["rid"], exc)
+            continue
+        rid = req.rid
+        adopted.owners[rid] = Owner(meta["client"], meta["fingerprint"], bool(meta["stream"]))
+        if journal is not None:
+            kv = item["kv_len"] if item["kv"] == "row" else 0
+            journal.committed[rid] = _Committed(len(req.output_ids), kv, req.retraction_count)
+        if item["kv"] == "row":
+            req.state = ReqState.RETRACTED  # memsvc kept its row: resume there
+            req.resume(int(item["row"]))
+            if req.kv_len != item["kv_len"]:
+                raise MemsvcError(f"adopt: {rid} has {item['kv_len']} KV, expected {req.kv_len}")
+            engine.reqs[rid] = req
+            engine.running.append(req)
+            adopted.running += 1
+            adopted.kv_tokens += req.kv_len
+        elif item["kv"] == "host":
+            req.state = ReqState.RETRACTED
+            req.host_copy = True
+            engine.reqs[rid] = req
+            to_host.append(req)
+            adopted.from_host += 1
+            adopted.kv_tokens += item["kv_len"]
+        else:
+            if req.output_ids:
+                req.state = ReqState.RETRACTED  # re-prefilled from origin + output
+            adopted.parked[rid] = req
+    engine.waiting.extendleft(reversed(to_host))
+    if reply.get("ratio") is not None:
+        engine.ratio.current = float(reply["ratio"])
+    return adopted
+
+
+def _req_of(item: dict[str, Any], meta: dict[str, Any]) -> Req:
+    sampling = dict(meta["sampling"])
+    req = Req(
+        item["rid"],
+        list(meta["prompt"]),
+        SamplingParams(**sampling),
+        priority=meta["priority"],
+        namespace=meta.get("namespace", ""),
+        output_ids=list(item["outputs"]),
+    )
+    req.retraction_count = int(item["retractions"])
+    req.retracted_stain = req.retraction_count > 0
+    if req.output_ids:
+        req.first_scheduled_time = req.first_token_time = time.monotonic()
+    return req
+
+
+# -- reattaching clients ---------------------------------------------------------
+
+
+@dataclass
+class Reattach:
+    """The adopted requests no client has re-submitted yet (the service's)."""
+
+    adopted: Adopted
+    grace_s: float = ADOPT_GRACE_S
+    since: float = field(default_factory=time.monotonic)
+    expired: int = 0
+
+    def waiting_for_client(self, rid: str) -> bool:
+        return rid in self.adopted.owners
+
+    def attached(self, rid: str) -> Req | None:
+        """``rid``'s client re-submitted it: the parked request to submit, if it is one."""
+        self.adopted.owners.pop(rid, None)
+        return self.adopted.parked.pop(rid, None)
+
+    def due(self, now: float) -> list[str]:
+        """The rids whose client did not come back within the grace period (forgotten here)."""
+        if not self.adopted.owners or now - self.since < self.grace_s:
+            return []
+        rids = list(self.adopted.owners)
+        self.adopted.owners.clear()
+        self.expired += len(rids)
+        return rids
+
+    def parked_req(self, rid: str) -> Req | None:
+        return self.adopted.parked.pop(rid, None)
+
+    @property
+    def message(self) -> str:
+        return ADOPT_EXPIRED_MESSAGE.format(grace=self.grace_s)
