@@ -12,6 +12,10 @@ from kvstack.up.cli import pid_alive
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.backends.shm import SHM_DIR, list_segments, segment_owner_pid
 from tests.helpers import small_layout
+from tests.mooncake_master import (  # noqa: F401
+    mooncake_config,
+    mooncake_master,
+)
 from tests.procs import (  # noqa: F401
     checkpoint,
     launcher,

@@ -88,8 +88,9 @@ class HiCacheConfig:
         default=None,
         metadata={
             "flag": "--hicache-storage-backend",
-            "help": "third tier, fed by host-tier eviction: file (a local directory) or nixl "
-            "(NIXL's POSIX storage plugin on the same directory); unset: host eviction drops KV",
+            "help": "third tier, fed by host-tier eviction: file (a local directory), nixl "
+            "(NIXL's POSIX storage plugin on the same directory) or mooncake (a Mooncake Store "
+            "shared by every node on its master); unset: host eviction drops KV",
             "forward": True,
         },
     )
@@ -127,6 +128,18 @@ class HiCacheConfig:
             "forward": True,
         },
     )
+    storage_extra_config: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--hicache-storage-backend-extra-config",
+            "metavar": "JSON",
+            "help": "the storage backend's settings: a JSON object, or @path of a JSON file. "
+            "mooncake: master_server_address, metadata_server, protocol, global_segment_size, "
+            "... as SGLang reads them (else SGLANG_HICACHE_MOONCAKE_CONFIG_PATH, else "
+            "MOONCAKE_MASTER and the other MOONCAKE_* variables)",
+            "forward": True,
+        },
+    )
     storage_role: str = "normal"  # names the subdirectory: normal, prefill or decode (no flag)
 
     def __post_init__(self) -> None:
@@ -148,6 +161,8 @@ class HiCacheConfig:
             object.__setattr__(self, "storage_backend", backend)
         if self.storage_keep and self.storage_backend is None:
             raise InvalidArgumentError("--hicache-storage-keep needs --hicache-storage-backend")
+        if self.storage_keep and self.storage_backend is StorageBackendName.MOONCAKE:
+            raise InvalidArgumentError("--hicache-storage-keep keeps a directory: file or nixl")
         if self.ratio <= 0 and self.size_bytes <= 0:
             raise InvalidArgumentError("the host tier needs --hicache-ratio > 0 or --hicache-size")
         if self.size_bytes < 0 or self.storage_size_bytes < 0:

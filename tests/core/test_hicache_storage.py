@@ -123,8 +123,37 @@ def test_lost_page_file_is_a_miss_for_its_request_alone(tmp_path):
 DAMAGE = [*DAMAGE_KINDS, "empty", "directory", "fifo"]
 
 
+# What can happen to a Mooncake object (a page record) behind memsvc's back.
+MOONCAKE_DAMAGE = ("delete", "truncate", "corrupt", "zero", "swap")
+
+
+def damage_object(pool: KVPool, keys: list[str], kind: str) -> None:
+    """Damage the Mooncake object of ``keys[1]`` through the backend's own client."""
+    storage = pool.hicache.storage
+    store, name = storage._store, storage.prefix + keys[1]
+    record = store.get(name)
+    assert len(record) == storage.record_bytes
+    if kind == "delete":
+        assert store.remove(name, True) == 0
+        return
+    if kind == "truncate":
+        record = record[: len(record) // 2]
+    elif kind == "corrupt":
+        flipped = bytearray(record)
+        flipped[len(record) // 3] ^= 0x10
+        record = bytes(flipped)
+    elif kind == "zero":
+        record = bytes(len(record))
+    elif kind == "swap":
+        record = store.get(storage.prefix + keys[0])
+    assert store.upsert(name, record) == 0
+
+
 def damage(pool: KVPool, keys: list[str], kind: str) -> None:
     """Damage the page file of ``keys[1]`` (``keys[0]``'s file is a valid page)."""
+    if pool.hicache.storage.name == "mooncake":
+        damage_object(pool, keys, kind)
+        return
     path, good = page_path(pool, keys[1]), page_path(pool, keys[0])
     if kind == "empty":
         os.truncate(path, 0)
@@ -138,15 +167,20 @@ def damage(pool: KVPool, keys: list[str], kind: str) -> None:
         damage_file(path, kind, good, offset=os.path.getsize(path) // 3)
 
 
-@pytest.mark.parametrize("backend", ["file", "nixl"])
-@pytest.mark.parametrize("kind", DAMAGE)
-def test_damaged_page_is_never_served(tmp_path, kind, backend):
+@pytest.mark.parametrize(
+    ("backend", "kind"),
+    [(b, k) for b in ("file", "nixl") for k in DAMAGE] + [("mooncake", k) for k in MOONCAKE_DAMAGE],
+)
+def test_damaged_page_is_never_served(tmp_path, kind, backend, request):
     """Issue 26 item 2: a page file that no longer holds its page (bits flipped, zeroed,
     cut short, another page's bytes, a link, not a file). Before: served as KV (corrupt,
     zero, swap, symlink), or ``CopyFailedError`` (the rest; a FIFO hung the copy thread).
-    The checks live in the shared layer: NIXL's POSIX plugin moves the same sealed records."""
+    The checks live in the shared layer: NIXL's POSIX plugin moves the same sealed records,
+    and Mooncake Store (issue 31) holds them as objects (a live master on loopback)."""
     if backend == "nixl":
         pytest.importorskip("nixl_cu12")
+    if backend == "mooncake":
+        request.getfixturevalue("mooncake_config")
     pool = make_pool(tmp_path, num_pages=8, host_pages=4, storage=backend)
     tokens = seq(110, 3)
     keys = store_only(pool, tokens)

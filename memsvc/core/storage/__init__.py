@@ -41,41 +41,54 @@ class StorageBackendName(StrEnum):
 
     FILE = "file"  # a local directory
     NIXL = "nixl"  # NIXL's POSIX storage plugin on the same directory
+    MOONCAKE = "mooncake"  # a Mooncake Store, shared by every node on its master
 
 
-def _file(directory: StorageDir, page_bytes: int) -> StorageBackend:
-    return FileStorage(directory, page_bytes)
+def _own_dir(config: HiCacheConfig, make: Callable[[StorageDir], StorageBackend]):
+    """``make`` in a new private subdirectory of ``config.storage_dir`` (``None``:
+    :func:`default_storage_base`), named after ``config.storage_role``; with
+    ``config.storage_keep`` the role's kept subdirectory, pages and all."""
+    directory = StorageDir(config.storage_dir, config.storage_role, keep=config.storage_keep)
+    try:
+        return make(directory)
+    except BaseException:
+        directory.close([])
+        raise
 
 
-def _nixl(directory: StorageDir, page_bytes: int) -> StorageBackend:
+def _file(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
+    return _own_dir(config, lambda directory: FileStorage(directory, page_bytes))
+
+
+def _nixl(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
     from memsvc.core.storage.nixl import NixlStorage  # imports nixl only when chosen
 
-    return NixlStorage(directory, page_bytes)
+    return _own_dir(config, lambda directory: NixlStorage(directory, page_bytes))
+
+
+def _mooncake(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
+    from memsvc.core.storage.mooncake import MooncakeConfig, MooncakeStorage  # mooncake lazily
+
+    return MooncakeStorage(MooncakeConfig.load(config.storage_extra_config), page_bytes)
 
 
 # The registry: a new backend is its module and one name and one line here.
-STORAGE_BACKENDS: dict[StorageBackendName, Callable[[StorageDir, int], StorageBackend]] = {
+STORAGE_BACKENDS: dict[StorageBackendName, Callable[[HiCacheConfig, int], StorageBackend]] = {
     StorageBackendName.FILE: _file,
     StorageBackendName.NIXL: _nixl,
+    StorageBackendName.MOONCAKE: _mooncake,
 }
 
 
 def create_storage(config: HiCacheConfig, page_bytes: int) -> StorageBackend:
-    """``config.storage_backend`` in a new private subdirectory of ``config.storage_dir``
-    (``None``: :func:`default_storage_base`), named after ``config.storage_role``; with
-    ``config.storage_keep`` the role's kept subdirectory, pages and all."""
+    """``config.storage_backend`` for pages of ``page_bytes``."""
     make = STORAGE_BACKENDS.get(config.storage_backend)  # type: ignore[arg-type]
     if make is None:
         raise ValueError(
             f"unknown storage backend {config.storage_backend!r}; "
             f"choose from {tuple(b.value for b in StorageBackendName)}"
         )
-    directory = StorageDir(config.storage_dir, config.storage_role, keep=config.storage_keep)
-    try:
-        return make(directory, page_bytes)
-    except BaseException:
-        directory.close([])
-        raise
+    return make(config, page_bytes)
 
 
 __all__ = [
