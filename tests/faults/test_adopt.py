@@ -63,3 +63,25 @@ def test_scheduler_killed_mid_decode_adopts_without_reprefill(
     assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
     assert recovery["reprefilled_tokens"] == 0, recovery
     assert recovery["adopted_reqs"] > 0, recovery
+
+
+def test_model_svc_killed_mid_decode_replays_the_step_without_reprefill(
+    harness: FaultHarness,
+) -> None:
+    """The KV is in memsvc's pool: the restarted worker maps it again and the scheduler
+    (ResilientModelClient) sends the same forward again, or ZMQ delivers the call it
+    queued to the new worker (model_resends then stays 0). Counted: no request re-queued
+    for re-prefill, no memsvc session lost, no KV freed; every token identical."""
+    before = harness.info()
+    result = harness.run(harness.scenario(3, "kill_model_svc", trigger=60))
+    after = harness.info()
+    assert after["pid"] == before["pid"], "the scheduler itself must not have restarted"
+    delta = {
+        key: after["recovery"][key] - before["recovery"][key]
+        for key in ("model_resends", "requeued_reqs", "memsvc_resets", "reprefilled_tokens")
+    }
+    print("ADOPT model_svc", json.dumps(delta))
+    check(result, "sigkill_model_svc")
+    assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
+    assert delta["requeued_reqs"] == 0 and delta["memsvc_resets"] == 0, delta
+    assert delta["reprefilled_tokens"] == 0, delta
