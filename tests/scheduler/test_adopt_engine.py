@@ -1,0 +1,220 @@
+"""scheduler_svc.adopt in process: a scheduler dies mid-step, its successor adopts.
+
+A real engine and memsvc core (:class:`InProcessMem`) with the fake model of the
+engine tests (tokens depend on position and previous token only). The first
+engine's step is stopped in the middle of its forward pass (its task is
+cancelled: the memsvc side of the step, commit and reserved slots, went through,
+the tokens did not) and the engine is never used again; a second engine, on a new
+session, adopts the first one's session through ``Recovery.adopt_session`` (the
+session id in a private file) and finishes every request with exactly
+``expected_output``, computing no prefill token (its model's ``extend_tokens``
+stays 0), and the pool is idle afterwards. Also: retracted-to-host requests are
+loaded back, requests with no KV wait for their client, an adopted request no
+client re-attaches to ends with an explicit error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from memsvc.client import Call
+from memsvc.core import KVPool
+from memsvc.handlers import MemService, ServiceConfig
+from model_svc.tokenizer import ByteTokenizer
+from scheduler_svc.adopt import Journal, Owner
+from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.recovery import Recovery
+from scheduler_svc.service import SchedulerService
+from tests.helpers import small_layout
+from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
+
+PAGE = 4
+PROMPTS = {f"r{i}": [i + 1] * (5 + 3 * i) for i in range(5)}
+MAX_NEW = 12
+
+
+class StallingModel(FakeModel):
+    """The fake model, whose decode forward number ``stall_at`` never returns."""
+
+    def __init__(self, table, stall_at: int | None = None) -> None:
+        super().__init__(table)
+        self.stall_at = stall_at
+        self.decodes = 0
+
+    async def decode(self, *args, **kwargs):
+        self.decodes += 1
+        if self.decodes == self.stall_at:
+            await asyncio.Event().wait()  # the scheduler dies in here
+        return await super().decode(*args, **kwargs)
+
+
+@pytest.fixture
+def service() -> Iterator[MemService]:
+    layout = small_layout(
+        page_size=PAGE, num_pages=64, max_running_requests=16, max_context_len=512
+    )
+    pool = KVPool(layout, host_store_bytes=layout.kv_bytes)
+    try:
+        yield MemService(pool, ServiceConfig(retract_decode_steps=20))
+    finally:
+        pool.close()
+
+
+class Node:
+    """One scheduler: engine, journal, recovery, on its own memsvc session."""
+
+    def __init__(self, service: MemService, session_file: Path, journal: bool = True) -> None:
+        self.service = service
+        self.session_file = session_file
+        self.with_journal = journal
+        self.done: dict[str, Req] = {}
+
+    async def start(self, stall_at: int | None = None, **config) -> Node:
+        mem = await InProcessMem.connect(self.service)
+        self.model = StallingModel(self.service.pool.table.array, stall_at)
+        config = SchedulerConfig(**{"page_size": PAGE, "max_running_requests": 16, **config})
+        self.engine = Engine(config, mem, self.model, self._emit, capacity=256)
+        if self.with_journal:
+            self.engine.journal = Journal(owner_of=lambda rid: Owner("client-1", "fp-" + rid, True))
+        self.recovery = Recovery(
+            self.engine,
+            lambda: InProcessMem.connect(self.service),
+            "inproc://memsvc",
+            session_file=self.session_file,
+        )
+        await self.recovery.adopt_session()
+        return self
+
+    def _emit(self, req: Req, finished: bool) -> None:
+        if finished:
+            self.done[req.rid] = req
+
+    def submit_all(self) -> None:
+        for rid, prompt in PROMPTS.items():
+            params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+            self.engine.submit(Req(rid, prompt, params))
+
+    async def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not await self.engine.step() and self.engine.idle:
+                return
+        raise AssertionError("the engine did not go idle")
+
+    async def die_in_step(self) -> None:
+        """Step until a step's forward never returns (the ``stall_at``-th decode): that
+        step is cancelled, as if the process died there."""
+        for _ in range(200):
+            task = asyncio.ensure_future(self.engine.step())
+            for _ in range(50):
+                await asyncio.sleep(0)
+            if task.done():
+                task.result()
+                continue
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return
+        raise AssertionError("no step got stuck")
+
+
+def assert_exact(done: dict[str, Req]) -> None:
+    assert set(done) == set(PROMPTS)
+    for rid, prompt in PROMPTS.items():
+        req = done[rid]
+        assert req.state is ReqState.FINISHED, (rid, req.finish_reason)
+        assert req.output_ids == expected_output(prompt, MAX_NEW), rid
+
+
+async def goodbye(node: Node) -> None:
+    await node.engine.mem._invoke(Call("goodbye", {}, None, lambda header, arrays: None))
+
+
+@pytest.mark.parametrize("steps", [2, 5, 9])
+def test_successor_decodes_on_from_the_kept_kv(service, tmp_path, steps) -> None:
+    async def scenario() -> None:
+        first = await Node(service, tmp_path / "session").start(stall_at=steps)
+        first.submit_all()
+        await first.die_in_step()
+        before = {rid: list(r.output_ids) for rid, r in first.engine.reqs.items()}
+        assert any(before.values())
+        second = await Node(service, tmp_path / "session").start()
+        stats = second.recovery.stats
+        assert stats.adopted_reqs == len(PROMPTS)
+        assert stats.reprefilled_tokens == 0
+        assert stats.discarded_step_tokens > 0  # the slots of the step in flight
+        assert (tmp_path / "session").read_text() == second.engine.mem.session
+        await second.run()
+        assert_exact(second.done)
+        assert second.model.extend_tokens == 0, "the successor re-prefilled"
+        await goodbye(second)
+        service.pool.check_integrity(idle=True)
+        assert len(service.sessions) == 0  # the first session (never closed) was adopted
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stall_at, kinds", [(2, "parked"), (8, "from_host")])
+def test_retracted_to_host_and_waiting_requests(service, tmp_path, stall_at, kinds) -> None:
+    """Under pressure (retracts into the host store) and with requests still waiting:
+    host entries are loaded back, no-KV requests wait for their client."""
+
+    async def scenario() -> None:
+        first = await Node(service, tmp_path / "session").start(
+            stall_at=stall_at,
+            retract_mode="offload",
+            max_running_requests=3,
+            test_retract=True,
+            test_retract_interval=2,
+        )
+        first.submit_all()
+        await first.die_in_step()
+        second = await Node(service, tmp_path / "session").start()
+        adopted = second.recovery.adopted
+        assert adopted is not None and getattr(adopted, kinds), adopted
+        assert second.recovery.stats.reprefilled_tokens == 0
+        for req in list(adopted.parked.values()):  # their clients re-submit
+            second.engine.submit(req)
+        await second.run()
+        assert_exact(second.done)
+        await goodbye(second)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+def test_unclaimed_adopted_requests_end_with_an_error(service, tmp_path) -> None:
+    """No client re-attaches within the grace period: explicit error, KV released."""
+
+    async def scenario() -> None:
+        first = await Node(service, tmp_path / "session").start(stall_at=4)
+        first.submit_all()
+        await first.die_in_step()
+        second = await Node(service, tmp_path / "session").start()
+        front = SchedulerService(
+            second.engine,
+            "ipc:///nonexistent",
+            tokenizer=ByteTokenizer(),
+            capacity=256,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+            recovery=second.recovery,
+        )
+        assert set(front._waiters) == set(PROMPTS)
+        assert all(w.identity is None for w in front._waiters.values())
+        front.reattach.since -= front.reattach.grace_s + 1
+        front._expire_adopted()
+        await second.run()
+        assert not second.engine.reqs
+        cached = [front._finished.get(rid) for rid in PROMPTS]
+        assert all(c is not None for c in cached)  # each ended with its result cached
+        assert front.reattach.expired == len(PROMPTS)
+        await goodbye(second)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
