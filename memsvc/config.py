@@ -126,6 +126,15 @@ class MemsvcConfig:
         group=POOL,
         forward=True,
     )
+    max_cached_tokens_per_salt: int = setting(
+        0,
+        "cap on the device tokens the prefix cache holds for one cache namespace (a "
+        "cache_salt / extra_key): past it, that namespace evicts its own least recently "
+        "used unlocked prefixes, never another's; the default namespace is exempt; 0: no cap",
+        metavar="N",
+        group=POOL,
+        forward=True,
+    )
     model_digest: str | None = setting(
         None,
         "sha256 of the checkpoint's config and weights (kvstack serve / up pass it): it names "

@@ -314,6 +314,8 @@ class MemService(BatchHandlers, PdHandlers):
             if pool.swa is not None
             else None,
             "counters": self.metrics.counters(),
+            # top namespaces by device tokens cached, by label (never a salt)
+            "namespaces": pool.namespace_stats(),
             "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
         }, None
 
@@ -324,11 +326,12 @@ class MemService(BatchHandlers, PdHandlers):
     def _flush_cache(self, session: Session, msg: p.FlushCache) -> Reply:
         """Evict every unlocked node of the prefix tree (with the hierarchy: and every host
         and storage copy, unless ``device_only``); locked prefixes stay on the device."""
-        return {"evicted": self.pool.flush_cache(device_only=msg.device_only)}, None
+        evicted = self.pool.flush_cache(device_only=msg.device_only, namespace=msg.namespace)
+        return {"evicted": evicted}, None
 
     def _alloc_row(self, session: Session, msg: p.AllocRow) -> Reply:
         self.sessions.check_owner(session, msg.rid)
-        row = self.pool.open_request(msg.rid)
+        row = self.pool.open_request(msg.rid, msg.namespace)
         self.sessions.claim(session, msg.rid)
         self._row_session[row] = session.num
         return {"row": row}, None

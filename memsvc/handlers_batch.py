@@ -115,9 +115,10 @@ class BatchHandlers:
         out_of_rows = False
         try:
             parts = split_tokens(msg.token_ids, msg.token_lens)
-            for rid, tokens in zip(rids, parts, strict=False):
+            namespaces = msg.namespaces or [""] * len(msg.rids)
+            for rid, tokens, namespace in zip(rids, parts, namespaces, strict=False):
                 try:
-                    row = pool.open_request(rid)
+                    row = pool.open_request(rid, namespace)
                 except OutOfRowsError:
                     out_of_rows = True
                     break

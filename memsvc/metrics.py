@@ -130,8 +130,37 @@ class _Collector:
         for key, (name, doc) in _COUNTER_SERIES.items():
             yield CounterMetricFamily(name, doc, value=counts.get(key, 0))
         yield from self._pool_series(GaugeMetricFamily)
+        yield from self._namespace_series(GaugeMetricFamily, CounterMetricFamily)
         if self.service.pool.hicache is not None:
             yield from self._hicache_series(GaugeMetricFamily, CounterMetricFamily)
+
+    def _namespace_series(self, gauge: Any, counter: Any) -> Any:
+        """Cache namespaces, the top ones by device tokens cached (``KVPool.namespace_stats``),
+        labelled ``namespace=<namespace_label>``: a digest's prefix, never a salt."""
+        stats = self.service.pool.namespace_stats()
+        cached = gauge(
+            "memsvc_namespace_cached_tokens",
+            "Device tokens cached per cache namespace (top namespaces)",
+            labels=["namespace"],
+        )
+        hits = counter(
+            "memsvc_namespace_hit_tokens",
+            "Prefix tokens matched per cache namespace and tier (top namespaces)",
+            labels=["namespace", "tier"],
+        )
+        lookups = counter(
+            "memsvc_namespace_lookup_tokens",
+            "Tokens looked up in the prefix cache per cache namespace (top namespaces)",
+            labels=["namespace"],
+        )
+        for label, row in stats.items():
+            cached.add_metric([label], row["cached_tokens"])
+            for tier in ("device", "host", "storage"):
+                hits.add_metric([label, tier], row[f"{tier}_hit_tokens"])
+            lookups.add_metric([label], row["lookup_tokens"])
+        yield cached
+        yield hits
+        yield lookups
 
     def _hicache_series(self, gauge: Any, counter: Any) -> Any:
         """The hierarchical cache, under SGLang's ``sglang:hicache_*`` / ``load_back`` names

@@ -158,15 +158,23 @@ class _Ops:
         """The pool's integrity check; raises ``IntegrityError`` with what is wrong."""
         return self._invoke(_Call("check", {"idle": idle}, None, _nothing))
 
-    def flush_cache(self, *, device_only: bool = False) -> Any:
+    def flush_cache(self, *, device_only: bool = False, namespace: str | None = None) -> Any:
         """Evict everything evictable from the prefix tree (and the lower tiers unless
-        ``device_only``); returns the device tokens freed."""
-        header = {"device_only": device_only}
+        ``device_only``); with ``namespace`` (a cache namespace, :mod:`memsvc.namespace`),
+        that namespace's alone, in every tier. Returns the device tokens freed."""
+        header: dict[str, Any] = {"device_only": device_only}
+        if namespace is not None:
+            header["namespace"] = namespace
         return self._invoke(_Call("flush_cache", header, None, lambda h, a: int(h["evicted"])))
 
-    def alloc_row(self, rid: str) -> Any:
-        """Open request ``rid`` and give it a ``req_to_token`` row; returns the row."""
-        return self._invoke(_Call("alloc_row", {"rid": rid}, None, lambda h, a: h["row"]))
+    def alloc_row(self, rid: str, namespace: str = "") -> Any:
+        """Open request ``rid`` and give it a ``req_to_token`` row; returns the row.
+        ``namespace``: the cache namespace its KV is shared in (every later tree op on
+        ``rid`` uses it)."""
+        fields: dict[str, Any] = {"rid": rid}
+        if namespace:
+            fields["namespace"] = namespace
+        return self._invoke(_Call("alloc_row", fields, None, lambda h, a: h["row"]))
 
     def free_row(self, rid: str) -> Any:
         """Close ``rid`` without caching anything."""
@@ -209,9 +217,11 @@ class _Ops:
         items: Sequence[tuple[str, Sequence[int] | np.ndarray]],
         *,
         recompute_s_per_token: float | None = None,
+        namespaces: Sequence[str] | None = None,
     ) -> Any:
         """For each ``(rid, token_ids)`` in order: :meth:`alloc_row` then
-        :meth:`match_prefix_tiers`, in one round trip -> AdmitResult.
+        :meth:`match_prefix_tiers`, in one round trip -> AdmitResult. ``namespaces``:
+        each rid's cache namespace, in order (None: all the default one).
 
         Stops at the first rid that gets no row. Any other failure closes
         every rid it opened and raises. ``recompute_s_per_token``: the worker's
@@ -221,6 +231,8 @@ class _Ops:
         fields: dict[str, Any] = {"rids": rids}
         if recompute_s_per_token is not None:
             fields["recompute_s_per_token"] = recompute_s_per_token
+        if namespaces is not None and any(namespaces):
+            fields["namespaces"] = list(namespaces)
         return self._invoke(_Call("admit", fields, arrays, _admit_result))
 
     def alloc_extend(self, items: Sequence[tuple[str, int]], free: Sequence[str] = ()) -> Any:

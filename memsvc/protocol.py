@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, get_args
 import msgpack
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,6 +31,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from memsvc.namespace import is_namespace
 
 ARRAY_DTYPE = np.dtype("<i8")
 ARRAY_ITEMSIZE = ARRAY_DTYPE.itemsize
@@ -71,6 +74,19 @@ def _check_split(lens: np.ndarray, values: np.ndarray, count: int, what: str) ->
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_LEN)]
 
 
+def _namespace(value: str) -> str:
+    if not is_namespace(value):
+        raise ValueError(
+            "a cache namespace is '' (the default) or 32 lowercase hex digits "
+            "(memsvc.namespace.namespace_of), not a salt"
+        )
+    return value
+
+
+# A cache namespace (memsvc.namespace): "" (the default) or 32 lowercase hex digits.
+Namespace = Annotated[str, AfterValidator(_namespace)]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
@@ -109,6 +125,8 @@ class FlushCache(Message):
 
     op: Literal["flush_cache"]
     device_only: bool = False
+    # None: every namespace; else that cache namespace's KV alone, in every tier
+    namespace: Namespace | None = None
 
 
 class Check(Message):
@@ -119,8 +137,11 @@ class Check(Message):
 
 
 class AllocRow(Message):
+    """Open ``rid`` in cache ``namespace``: every later tree op on it uses that namespace."""
+
     op: Literal["alloc_row"]
     rid: RequestId
+    namespace: Namespace = ""
 
 
 class FreeRow(Message):
@@ -160,6 +181,14 @@ class Admit(TokenBatch):
 
     op: Literal["admit"]
     recompute_s_per_token: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # one cache namespace per rid, in order (None: all the default namespace)
+    namespaces: list[Namespace] | None = Field(default=None, max_length=MAX_BATCH)
+
+    @model_validator(mode="after")
+    def _one_namespace_per_rid(self) -> Admit:
+        if self.namespaces is not None and len(self.namespaces) != len(self.rids):
+            raise ValueError("namespaces needs one namespace per rid")
+        return self
 
 
 class AllocExtend(Message):

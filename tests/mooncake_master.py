@@ -47,9 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+
+
 def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class MooncakeMaster:

@@ -85,11 +85,13 @@ import numpy as np
 
 from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import InvalidArgumentError
+from memsvc.core.evict_heap import EvictionHeap
 from memsvc.core.hicache_config import HiCacheConfig, WritePolicy
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, page_hash_chain
 from memsvc.core.hicache_tree import HiTreeNode, TieredTree
 from memsvc.core.prefix_cache import CacheHit
-from memsvc.core.radix_cache import MatchResult, TreeNode
+from memsvc.core.radix_cache import MatchResult, TreeNode, check_namespace
+from memsvc.namespace import DEFAULT_NAMESPACE
 
 # Re-exported: the hierarchy's parts, under the name its users know.
 __all__ = [
@@ -115,15 +117,15 @@ class HiRadixCache(TieredTree):
 
     # -- match and load back ---------------------------------------------------------
 
-    def match_prefix(self, token_ids: object) -> MatchResult:
+    def match_prefix(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
         """The device part of the match only (no loading)."""
         key = self._as_key(token_ids)
-        path, _ = self._walk(key)
+        path, _ = self._walk(key, check_namespace(namespace))
         device = [n for n in path if n.value.size]
         slots = np.concatenate([n.value for n in device]) if device else _EMPTY.copy()
         return MatchResult(slots, device[-1] if device else self.root)
 
-    def match_and_load(self, token_ids: object) -> CacheHit:
+    def match_and_load(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> CacheHit:
         """Longest prefix in any tier; its host / storage part loaded into fresh device
         pages, whole or not at all (:meth:`_load_back`).
 
@@ -131,9 +133,10 @@ class HiRadixCache(TieredTree):
         pages are readable once ``fence`` is done.
         """
         key = self._as_key(token_ids)
+        check_namespace(namespace)
         self.reap_failed_writes()
-        path, matched = self._walk(key)
-        self._adopt_kept(path, key, matched, seed=self.storage_seed(""))
+        path, matched = self._walk(key, namespace)
+        self._adopt_kept(path, key, matched, self.storage_seed(namespace), namespace)
         num_device = 0
         while num_device < len(path) and path[num_device].value.size:
             num_device += 1
@@ -236,13 +239,17 @@ class HiRadixCache(TieredTree):
         node.value = self.allocator.pages_to_slots(pages)
         node.load_fence = fence
         self._num_evictable_tokens += len(node.key)  # off-device nodes are never locked
+        if node.namespace:
+            self._count_namespace(node.namespace, len(node.key))
         self._touch(node)
 
     # -- insert and back up (the write policies) ------------------------------------
 
-    def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
+    def _insert(
+        self, key: np.ndarray, slots: np.ndarray, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[int, TreeNode, list[np.ndarray]]:
         """Insert; off-device nodes on the path take the caller's slots (its KV is the same)."""
-        path, matched = self._walk(key)
+        path, matched = self._walk(key, namespace)
         num_device = 0
         while num_device < len(path) and path[num_device].value.size:
             num_device += 1
@@ -252,6 +259,8 @@ class HiRadixCache(TieredTree):
             node.value = slots[at : at + len(node.key)].copy()
             node.load_fence = None
             self._num_evictable_tokens += len(node.key)
+            if namespace:
+                self._count_namespace(namespace, len(node.key))
             self._touch(node)
             at += len(node.key)
         node = path[-1] if path else self.root
@@ -260,7 +269,10 @@ class HiRadixCache(TieredTree):
         if matched < len(key):
             leaf = self._new_node(key[matched:].copy(), slots[matched:].copy(), node)
             leaf.last_access_time = self._clock
-            node.children[self._page_key(leaf.key)] = leaf
+            if namespace:
+                leaf.namespace = namespace
+                self._count_namespace(namespace, len(leaf.key))
+            node.children[self._edge_key(leaf)] = leaf
             self._num_evictable_tokens += len(leaf.key)
             self._touch(leaf)
             values.append(leaf.value)
@@ -280,9 +292,10 @@ class HiRadixCache(TieredTree):
     def backup_bytes(self) -> int:
         return self.stats.backup_bytes
 
-    def backup_prefix(self, token_ids: object) -> int:
-        """Give every device node on ``token_ids``' cached path a host copy; returns bytes."""
-        path, _ = self._walk(self._as_key(token_ids))
+    def backup_prefix(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Give every device node on ``token_ids``' cached path (in ``namespace``) a host
+        copy; returns bytes."""
+        path, _ = self._walk(self._as_key(token_ids), check_namespace(namespace))
         before = self.stats.backup_bytes
         protect = set(map(id, path))
         for node in path:
@@ -297,10 +310,17 @@ class HiRadixCache(TieredTree):
             raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
         return self._evict_device(num_tokens, set()) if num_tokens else 0
 
-    def _evict_device(self, num_tokens: int, protect: set[int]) -> int:
-        """Free device leaves, LRU first; a leaf keeps its host / storage copy if it has one."""
+    def _evict_from(self, heap: EvictionHeap, num_tokens: int) -> int:
+        return self._evict_device(num_tokens, set(), heap)
+
+    def _evict_device(
+        self, num_tokens: int, protect: set[int], heap: EvictionHeap | None = None
+    ) -> int:
+        """Free device leaves, LRU first (those ``heap`` pops: default, all the device's);
+        a leaf keeps its host / storage copy if it has one."""
+        leaves = self._free_leaves if heap is None else heap
         evicted = 0
-        while evicted < num_tokens and (node := self._free_leaves.pop()) is not None:
+        while evicted < num_tokens and (node := leaves.pop()) is not None:
             if self._load_state(node) == "failed":
                 self.split_failed(node)  # its good pages stay, in a node of their own
             parent = node.parent
@@ -308,6 +328,8 @@ class HiRadixCache(TieredTree):
             self._evict_device_node(node, protect)
             if node.parent is not None:  # (dropped: _drop_subtree recorded the parent)
                 self._touch(parent)  # a device leaf now, maybe
+            if heap is not None:
+                heap.push(parent)
         return evicted
 
     def _evict_device_node(self, node: TreeNode, protect: set[int]) -> None:
@@ -327,15 +349,20 @@ class HiRadixCache(TieredTree):
         node.value = _EMPTY
         node.load_fence = None
         self._num_evictable_tokens -= len(node.key)
+        if node.namespace:
+            self._count_namespace(node.namespace, -len(node.key))
         self._touch(node)  # its host copy now ranks before those of device nodes
         self.allocator.free(slots)  # pending behind any copy still reading or writing them
         if node.host_pages is None and not node.on_disk:
             self._drop_subtree(node)
 
-    def flush(self, *, device_only: bool = False) -> int:
+    def flush(self, *, device_only: bool = False, namespace: str | None = None) -> int:
         """SGLang's flush_cache: every unlocked device node evicted and (unless
         ``device_only``) every copy off the device (host and storage) dropped; locked
-        paths stay on the device, copies freed. Returns the device tokens evicted."""
+        paths stay on the device, copies freed. Returns the device tokens evicted.
+        With ``namespace``: that namespace's nodes alone, in every tier."""
+        if namespace is not None:
+            return self._flush_namespace(check_namespace(namespace), device_only=device_only)
         if device_only:
             return self.evict(self.evictable_size())
         self.reap_failed_writes()
@@ -355,6 +382,31 @@ class HiRadixCache(TieredTree):
                 self._free_host(node)
             if node.on_disk:
                 self._delete_storage(node)
+        return evicted
+
+    def _flush_namespace(self, namespace: str, *, device_only: bool) -> int:
+        """:meth:`flush` of one namespace's subtrees. Kept storage pages no node holds
+        yet (``--hicache-storage-keep``) are all dropped: whose they are is not known
+        without their prefix."""
+        self.reap_failed_writes()
+        evicted = self.evict_namespace(namespace, self.total_size())
+        if device_only:
+            return evicted
+        tops = [
+            n
+            for n in self.namespace_nodes(namespace)
+            if not n.value.size and (n.parent is self.root or n.parent.value.size)
+        ]
+        for node in tops:
+            self._drop_subtree(node)
+        self.drop_kept()
+        for node in self.namespace_nodes(namespace):  # left: on the device, locked
+            if node.host_pages is not None:
+                self._free_host(node)
+                self._touch(node)
+            if node.on_disk:
+                self._delete_storage(node)
+                self._touch(node)
         return evicted
 
     # -- sizes and stats -------------------------------------------------------------

@@ -133,13 +133,19 @@ class TieredTree(RadixCache):
         )
 
     def _touch(self, node: TreeNode) -> None:
+    def _is_device_candidate(self, node: TreeNode) -> bool:
+        return self._is_device_leaf(node)
+
         self._free_leaves.push(node)
         self._host_heap.push(node)
         self._storage_heap.push(node)
 
+        if self._ns_leaves and node.namespace:
+            self._ns_heap(node.namespace).push(node)
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_device_leaf, "device leaves")
         self._check_heap(self._host_heap, self._host_evictable, "evictable host copies")
+        self._check_namespace_heaps()
         self._check_heap(self._storage_heap, self._storage_evictable, "evictable storage copies")
 
     # -- node placement --------------------------------------------------------------
@@ -166,13 +172,17 @@ class TieredTree(RadixCache):
         while at is not self.root and at.hashes is None:
             chain.append(at)
             at = at.parent
-        prev = self.storage_seed("") if at is self.root else at.hashes[-1]
+        # A namespace's chain starts from its own seed: equal tokens in two namespaces
+        # never share a storage key.
+        prev = self.storage_seed(node.namespace) if at is self.root else at.hashes[-1]
         for n in reversed(chain):
             n.hashes = page_hash_chain(prev, n.key, self.page_size)
             prev = n.hashes[-1]
         return node.hashes
 
-    def _adopt_kept(self, path: list[TreeNode], key: np.ndarray, matched: int, seed: str) -> None:
+    def _adopt_kept(
+        self, path: list[TreeNode], key: np.ndarray, matched: int, seed: str, namespace: str = ""
+    ) -> None:
         """Continue a match that ran out of tree through the kept pages
         (:mod:`memsvc.core.storage.kept`): the run of ``key``'s next whole pages whose keys
         are kept becomes a storage-only node under the path's last node (the walk left no
@@ -189,7 +199,8 @@ class TieredTree(RadixCache):
         node = self._new_node(tokens, _EMPTY, last)
         node.on_disk, node.hashes = True, keys
         node.last_access_time = self._clock
-        last.children[self._page_key(node.key)] = node
+        node.namespace = last.namespace if path else namespace
+        last.children[self._edge_key(node)] = node
         self._storage_keys.update(keys)
         self._touch(node)
         path.append(node)
@@ -416,11 +427,13 @@ class TieredTree(RadixCache):
                     self.allocator.free(slots)
                 n.load_fence = None
             self._drop_subtree(node)
+                    if n.namespace:
+                        self._count_namespace(n.namespace, -len(n.key))
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Remove an unlocked, off-device node and everything below it from all tiers."""
         parent = node.parent
-        del parent.children[self._page_key(node.key)]
+        del parent.children[self._edge_key(node)]
         stack = [node]
         while stack:
             n = stack.pop()

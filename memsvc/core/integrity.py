@@ -90,6 +90,8 @@ def check_pool(pool: KVPool, *, idle: bool = False) -> None:
         if own_pages.size != int((owners == req.row).sum()):
             problems.append(f"{req.rid}: owns pages outside its row (leak)")
         node = req.last_node
+        if node is not pool.tree.root and node.namespace != req.namespace:
+            problems.append(f"{req.rid}: holds a prefix of another cache namespace")
         while node is not pool.tree.root and node is not None:
             expected_locks[id(node)] += 1
             node = node.parent

@@ -52,9 +52,14 @@ from memsvc.core.integrity import check_pool
 from memsvc.core.layout import PoolLayout
 from memsvc.core.pool_host import HostStoreOps
 from memsvc.core.prefix_cache import PrefixCache
-from memsvc.core.radix_cache import RadixCache, TreeNode
+from memsvc.core.radix_cache import RadixCache, TreeNode, check_namespace
 from memsvc.core.req_to_token import ReqToTokenTable
-from memsvc.core.request_prefix import RequestPrefixes, TierMatch, as_token_array
+from memsvc.core.request_prefix import (
+    NAMESPACE_HIT_KEYS,
+    RequestPrefixes,
+    TierMatch,
+    as_token_array,
+)
 from memsvc.core.retract import RetractResult, retract_until_fits
 from memsvc.core.swa_allocator import SWAPageAllocator
 from memsvc.core.swa_hicache import SWAHiRadixCache
@@ -62,6 +67,9 @@ from memsvc.core.swa_host_store import HybridHostStore
 from memsvc.core.swa_radix_cache import SWARadixCache
 from memsvc.core.swa_window import SWAWindows
 
+from memsvc.namespace import DEFAULT_NAMESPACE, namespace_label
+
+NAMESPACE_STATS_TOP = 16  # namespaces the stats list, by device tokens cached
 
 @dataclass
 class ReqKV:
@@ -77,6 +85,7 @@ class ReqKV:
     kv_lens: np.ndarray = field(repr=False)
     protected_len: int = 0  # leading positions whose slots the tree owns
 
+    namespace: str = DEFAULT_NAMESPACE  # its cache namespace: every tree op for it uses it
     @property
     def kv_len(self) -> int:
         """Positions with a KV slot."""
@@ -100,6 +109,7 @@ class KVPool(HostStoreOps):
         hicache: HiCacheConfig | None = None,
         storage_seed: Callable[[str], str] | None = None,
     ) -> None:
+        max_cached_tokens_per_namespace: int = 0,
         self.layout = layout
         # Offload copies return before they finish; freed pages wait for them.
         self.async_offload = async_offload
@@ -182,6 +192,8 @@ class KVPool(HostStoreOps):
     @property
     def capacity(self) -> int:
         return self.allocator.capacity
+        # --max-cached-tokens-per-salt: each non-default namespace's device tokens
+        self.tree.set_namespace_cap(max_cached_tokens_per_namespace)
 
     def available_size(self) -> int:
         """Free tokens an allocation can have: ``min(full, swa)`` for a hybrid model."""
@@ -237,8 +249,10 @@ class KVPool(HostStoreOps):
 
     # -- requests --------------------------------------------------------------
 
-    def open_request(self, rid: str) -> int:
-        """Give ``rid`` a ``req_to_token`` row; returns the row."""
+    def open_request(self, rid: str, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """Give ``rid`` a ``req_to_token`` row; returns the row. ``namespace``: the cache
+        namespace its KV is shared in (:mod:`memsvc.namespace`), for every tree op on it."""
+        check_namespace(namespace)
         if rid in self._reqs:
             raise DuplicateRequestError(f"request {rid!r} is already open")
         row = self.table.alloc()
@@ -247,7 +261,7 @@ class KVPool(HostStoreOps):
                 f"all {self.table.num_rows - 1} req_to_token rows are in use "
                 "(raise max_running_requests)"
             )
-        self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens)
+        self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens, namespace=namespace)
         self._kv_lens[row] = 0
         if self.swa is not None:
             self.swa.open(row, 0)
@@ -465,9 +479,13 @@ class KVPool(HostStoreOps):
         tree = self.tree
         return tree.evict_swa(num_tokens) if isinstance(tree, SWARadixCache) else 0
 
-    def flush_cache(self, *, device_only: bool = False) -> int:
+    def flush_cache(self, *, device_only: bool = False, namespace: str | None = None) -> int:
         """Evict every unlocked prefix (and, with the hierarchy, drop the host and storage
-        copies unless ``device_only``); returns the device tokens evicted."""
+        copies unless ``device_only``); returns the device tokens evicted. With
+        ``namespace``: that cache namespace's prefixes alone (its SWA pages go with its
+        evicted nodes; the locked ones keep theirs)."""
+        if namespace is not None:
+            return self.tree.flush(device_only=device_only, namespace=check_namespace(namespace))
         evicted = self.tree.flush(device_only=device_only)
         if isinstance(self.tree, SWARadixCache):
             self.tree.flush_swa()
@@ -487,6 +505,23 @@ class KVPool(HostStoreOps):
         shortfall = num_tokens - self.available_size()
         if shortfall > 0:
             self.tree.evict(shortfall)
+    def namespace_stats(self, top: int = NAMESPACE_STATS_TOP) -> dict[str, dict[str, int]]:
+        """The ``top`` namespaces by device tokens cached (then by tokens matched), by
+        label (:func:`~memsvc.namespace.namespace_label`, never a salt): cached tokens and
+        tokens matched per tier. No tree walk."""
+        cached = self.tree.namespace_tokens()
+        hits = self._prefixes.namespace_hits
+        names = sorted(
+            set(cached) | set(hits),
+            key=lambda ns: (-cached.get(ns, 0), -hits.get(ns, {}).get("matched_tokens", 0), ns),
+        )[:top]
+        out = {}
+        for ns in names:
+            row = {"cached_tokens": cached.get(ns, 0)}
+            row.update(hits.get(ns, dict.fromkeys(NAMESPACE_HIT_KEYS, 0)))
+            out[namespace_label(ns)] = row
+        return out
+
 
     def cache_unfinished(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
         """Publish a running request's page-aligned KV to the tree; returns the new prefix len.
@@ -541,7 +576,7 @@ class KVPool(HostStoreOps):
         self.tree.check_can_back_up()
         before = self.tree.backup_bytes()  # write_through copies on the insert itself
         self.release(rid, token_ids, is_insert=True)
-        self.tree.backup_prefix(token_ids)
+        self.tree.backup_prefix(token_ids, namespace)
         return self.tree.backup_bytes() - before
 
     # -- integrity -------------------------------------------------------------
@@ -553,6 +588,7 @@ class KVPool(HostStoreOps):
 
     def check_integrity(self, *, idle: bool = False) -> None:
         """Raise :class:`IntegrityError` unless every page is in exactly one place
+        namespace = self.request(rid).namespace
         and every counter agrees; with ``idle``, also that nothing is held."""
         check_pool(self, idle=idle)
 

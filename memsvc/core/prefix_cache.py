@@ -69,6 +69,16 @@ class PrefixCache(ABC):
     def protected_size(self) -> int:
         """Device tokens in locked nodes. Changes nothing."""
 
+    @abstractmethod
+    def namespace_tokens(self) -> dict[str, int]:
+        """Device tokens per cache namespace holding any, kept as nodes come and go.
+        Changes nothing."""
+
+    @abstractmethod
+    def set_namespace_cap(self, max_tokens: int) -> None:
+        """Cap each non-default namespace's device tokens (0: none), enforced after each
+        insert by evicting that namespace's own LRU unlocked leaves."""
+
     def total_size(self) -> int:
         """Device tokens the cache holds. Changes nothing."""
         return self.evictable_size() + self.protected_size()
@@ -76,15 +86,16 @@ class PrefixCache(ABC):
     # -- lookup and insert ------------------------------------------------------------
 
     @abstractmethod
-    def match_prefix(self, token_ids: object) -> MatchResult:
-        """The longest page-aligned prefix cached on the device.
+    def match_prefix(self, token_ids: object, namespace: str = "") -> MatchResult:
+        """The longest page-aligned prefix cached on the device, in cache ``namespace``
+        (every call that takes one: nodes of another namespace are never shared).
 
         Changes the tree's shape (a node the match ends inside is split) and its
         LRU order; frees, allocates and copies nothing.
         """
 
     @abstractmethod
-    def match_and_load(self, token_ids: object) -> CacheHit:
+    def match_and_load(self, token_ids: object, namespace: str = "") -> CacheHit:
         """The longest page-aligned prefix in any tier, its off-device part loaded.
 
         Changes the cache: as :meth:`match_prefix`, and a cache with lower tiers
@@ -94,7 +105,7 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def insert(self, token_ids: object, slots: object) -> int:
+    def insert(self, token_ids: object, slots: object, namespace: str = "") -> int:
         """Insert the page-aligned part of the key; return how many tokens were cached.
 
         Changes the cache: it takes ownership of ``slots[prefix_len:K]``; the
@@ -125,9 +136,10 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def flush(self, *, device_only: bool = False) -> int:
+    def flush(self, *, device_only: bool = False, namespace: str | None = None) -> int:
         """Evict every unlocked device node; unless ``device_only``, drop every copy in
-        the lower tiers too. Changes the cache; returns the device tokens evicted."""
+        the lower tiers too; with ``namespace``, that namespace's alone. Changes the
+        cache; returns the device tokens evicted."""
 
     @abstractmethod
     def cache_finished_req(
@@ -138,6 +150,7 @@ class PrefixCache(ABC):
         last_node: TreeNode,
         *,
         is_insert: bool,
+        namespace: str = "",
     ) -> None:
         """A request hands its KV back: keep what the cache wants, free the rest, unlock.
 
@@ -146,7 +159,13 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def cache_unfinished_req(
-        self, token_ids: object, kv_slots: object, protected_len: int, last_node: TreeNode
+        self,
+        token_ids: object,
+        kv_slots: object,
+        protected_len: int,
+        last_node: TreeNode,
+        *,
+        namespace: str = "",
     ) -> CachedPrefix:
         """A running request publishes its page-aligned prefix and keeps running on the
         cache's copy. Changes the cache."""
@@ -181,7 +200,7 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def backup_prefix(self, token_ids: object) -> int:
+    def backup_prefix(self, token_ids: object, namespace: str = "") -> int:
         """Give every device node on ``token_ids``' cached path a lower-tier copy.
 
         Changes the cache (may evict other copies for room); returns the bytes copied.

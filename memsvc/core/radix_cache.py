@@ -9,6 +9,17 @@ recently used first by a logical clock, so the order is deterministic. It pops
 them from a heap of free leaves kept up to date as the tree changes
 (:mod:`memsvc.core.evict_heap`), so it costs O(log n) a leaf, never a walk.
 
+Cache namespaces (:mod:`memsvc.namespace`): every node belongs to one, and two
+requests share a node only if their namespaces are equal. The tree is a forest
+under one root: the root files a child under its first page's token ids, a
+child of another namespace than the default under the namespace's digest and
+that first page (so the default namespace's keys, and cost, are unchanged);
+every node below inherits its parent's namespace. The device tokens of each
+non-default namespace are counted as nodes come and go (:meth:`namespace_tokens`);
+with a cap (:meth:`set_namespace_cap`, ``--max-cached-tokens-per-salt``) a
+namespace over it after an insert evicts its own least recently used unlocked
+leaves (never another namespace's) from a heap of its own.
+
 Ownership: ``insert`` takes the slots of the new part of the key and never
 frees; the caller frees its duplicates of the part already cached. Only
 ``evict`` and the ``cache_*_req`` hand-backs free slots. A hand-back that
@@ -31,6 +42,7 @@ from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 from memsvc.core.radix_check import TreeChecks
+from memsvc.namespace import DEFAULT_NAMESPACE, is_namespace
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -46,6 +58,7 @@ class TreeNode:
     children: dict[bytes, TreeNode] = field(default_factory=dict, repr=False)
     lock_ref: int = 0
     last_access_time: int = 0
+    namespace: str = DEFAULT_NAMESPACE  # its cache namespace (memsvc.namespace)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -59,6 +72,15 @@ class CachedPrefix:
     slots: np.ndarray  # the request's new slot row: tree slots, then its own unaligned tail
     protected_len: int  # tokens of ``slots`` that now belong to the tree
     last_node: TreeNode  # the node the request now holds locked
+
+
+def check_namespace(namespace: object) -> str:
+    """``namespace`` if it is one (``""`` or 32 lowercase hex digits), else raise."""
+    if namespace != DEFAULT_NAMESPACE and not is_namespace(namespace):
+        raise InvalidArgumentError(
+            f"bad cache namespace {namespace!r}: '' or 32 lowercase hex digits"
+        )
+    return namespace  # type: ignore[return-value]
 
 
 def _as_int_array(values: object, what: str) -> np.ndarray:
@@ -88,6 +110,10 @@ class RadixCache(TreeChecks, PrefixCache):
         self.root = self._new_node(_EMPTY, _EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted nor counted
         self._free_leaves = EvictionHeap(lru_rank, self._is_free_leaf)
+        # Device tokens per non-default namespace (none listed at 0), and the cap.
+        self._ns_tokens: dict[str, int] = {}
+        self.namespace_cap = 0
+        self._ns_leaves: dict[str, EvictionHeap] = {}  # with a cap: each namespace's leaves
 
     # -- sizes -----------------------------------------------------------------
 
@@ -100,23 +126,47 @@ class RadixCache(TreeChecks, PrefixCache):
     def total_size(self) -> int:
         return self._num_evictable_tokens + self._num_protected_tokens
 
+    def namespace_tokens(self) -> dict[str, int]:
+        """Device tokens per namespace that holds any (the default one included). Changes
+        nothing; costs a dict copy, never a walk."""
+        out = dict(self._ns_tokens)
+        default = self.total_size() - sum(out.values())
+        if default:
+            out[DEFAULT_NAMESPACE] = default
+        return out
+
+    def set_namespace_cap(self, max_tokens: int) -> None:
+        """Cap every non-default namespace's device tokens at ``max_tokens`` (0: no cap),
+        enforced after each insert; applies from now on."""
+        if max_tokens < 0:
+            raise InvalidArgumentError(f"namespace cap must be >= 0, got {max_tokens}")
+        self.namespace_cap = max_tokens
+        self._ns_leaves = {}
+        if max_tokens:
+            for node in self.iter_nodes():
+                if node.namespace:
+                    self._ns_heap(node.namespace).push(node)
+
     # -- lookup and insert ----------------------------------------------------
 
-    def match_prefix(self, token_ids: object) -> MatchResult:
+    def match_prefix(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
         """Longest cached page-aligned prefix. Splits a node the match ends inside of."""
         key = self._as_key(token_ids)
+        check_namespace(namespace)
         if self.disabled:
             return MatchResult(_EMPTY.copy(), self.root)
-        path, _ = self._walk(key)
+        path, _ = self._walk(key, namespace)
         slots = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
         return MatchResult(slots, path[-1] if path else self.root)
 
-    def match_and_load(self, token_ids: object) -> CacheHit:
+    def match_and_load(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> CacheHit:
         """:meth:`match_prefix`: this cache has no lower tier to load from."""
-        match = self.match_prefix(token_ids)
+        match = self.match_prefix(token_ids, namespace)
         return CacheHit(match.slots, match.last_node, int(match.slots.size), 0, 0, [])
 
-    def insert(self, token_ids: object, slots: object) -> int:
+    def insert(
+        self, token_ids: object, slots: object, namespace: str = DEFAULT_NAMESPACE
+    ) -> int:
         """Insert the page-aligned part of the key; return how many tokens were already cached.
 
         The tree takes ownership of ``slots[prefix_len:K]``; the caller still owns
@@ -128,9 +178,12 @@ class RadixCache(TreeChecks, PrefixCache):
             raise InvalidArgumentError(f"{len(slots)} slots for a {len(key)}-token key")
         slots = slots[: len(key)]
         self._check_page_runs(slots, "slots")
+        check_namespace(namespace)
         if self.disabled:
             return 0
-        return self._insert(key, slots)[0]
+        prefix_len = self._insert(key, slots, namespace)[0]
+        self._enforce_cap(namespace)
+        return prefix_len
 
     # -- locks ---------------------------------------------------------------
 
@@ -159,9 +212,31 @@ class RadixCache(TreeChecks, PrefixCache):
 
     # -- eviction --------------------------------------------------------------
 
-    def flush(self, *, device_only: bool = False) -> int:
-        """Evict every unlocked node (the device is the only tier)."""
+    def flush(self, *, device_only: bool = False, namespace: str | None = None) -> int:
+        """Evict every unlocked node (the device is the only tier); with ``namespace``,
+        only that namespace's."""
+        if namespace is not None:
+            return self.evict_namespace(check_namespace(namespace), self.total_size())
         return self.evict(self.evictable_size())
+
+    def evict_namespace(self, namespace: str, num_tokens: int) -> int:
+        """:meth:`evict` of ``namespace``'s unlocked leaves alone, LRU first."""
+        if num_tokens < 0:
+            raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
+        heap = self._ns_leaves.get(namespace) if namespace else None
+        if heap is None:  # no cap heap (or the default namespace): one from its nodes
+            heap = EvictionHeap(lru_rank, self._is_device_candidate)
+            for node in self.namespace_nodes(namespace):
+                heap.push(node)
+        return self._evict_from(heap, num_tokens) if num_tokens else 0
+
+    def namespace_nodes(self, namespace: str) -> Iterator[TreeNode]:
+        """Every node of ``namespace``, parents first. Changes nothing."""
+        stack = [n for n in self.root.children.values() if n.namespace == namespace]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed.
@@ -173,15 +248,23 @@ class RadixCache(TreeChecks, PrefixCache):
             raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
         if num_tokens == 0:
             return 0
+        return self._evict_from(self._free_leaves, num_tokens)
+
+    def _evict_from(self, heap: EvictionHeap, num_tokens: int) -> int:
+        """Evict the leaves ``heap`` pops until ``num_tokens`` are freed (or none is left)."""
         num_evicted = 0
         freed_values = []
-        while num_evicted < num_tokens and (leaf := self._free_leaves.pop()) is not None:
+        while num_evicted < num_tokens and (leaf := heap.pop()) is not None:
             parent = leaf.parent
-            del parent.children[self._page_key(leaf.key)]
+            del parent.children[self._edge_key(leaf)]
             leaf.parent = None  # marks it detached: lock/unlock refuse it from now on
             freed_values.append(leaf.value)
             num_evicted += len(leaf.key)
+            if leaf.namespace:
+                self._count_namespace(leaf.namespace, -len(leaf.key))
             self._touch(parent)  # a leaf now, maybe
+            if heap is not self._free_leaves:
+                heap.push(parent)
         self._num_evictable_tokens -= num_evicted
         if freed_values:
             self.allocator.free(np.concatenate(freed_values))
@@ -197,6 +280,7 @@ class RadixCache(TreeChecks, PrefixCache):
         last_node: TreeNode,
         *,
         is_insert: bool,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         """A request is done with its KV: keep what the tree wants, free the rest, unlock.
 
@@ -210,10 +294,10 @@ class RadixCache(TreeChecks, PrefixCache):
             both:       [K, L) freed; last_node unlocked
         """
         keys, kv_slots = self._check_request(
-            token_ids, kv_slots, protected_len, last_node, is_insert=is_insert
+            token_ids, kv_slots, protected_len, last_node, is_insert=is_insert, namespace=namespace
         )
         if is_insert and not self.disabled:
-            new_prefix_len = self._insert(keys, kv_slots[: len(keys)])[0]
+            new_prefix_len = self._insert(keys, kv_slots[: len(keys)], namespace)[0]
             released = np.concatenate(
                 [kv_slots[protected_len:new_prefix_len], kv_slots[len(keys) :]]
             )
@@ -221,9 +305,17 @@ class RadixCache(TreeChecks, PrefixCache):
             released = kv_slots[protected_len:]
         self.allocator.free(released)
         self.unlock(last_node)
+        if is_insert:
+            self._enforce_cap(namespace)
 
     def cache_unfinished_req(
-        self, token_ids: object, kv_slots: object, protected_len: int, last_node: TreeNode
+        self,
+        token_ids: object,
+        kv_slots: object,
+        protected_len: int,
+        last_node: TreeNode,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> CachedPrefix:
         """A running request publishes its page-aligned prefix and keeps running on the tree's copy.
 
@@ -234,16 +326,19 @@ class RadixCache(TreeChecks, PrefixCache):
             returned  |<------------- tree slots, locked ------------->|<- tail ------->|
         """
         keys, kv_slots = self._check_request(
-            token_ids, kv_slots, protected_len, last_node, is_insert=True
+            token_ids, kv_slots, protected_len, last_node, is_insert=True, namespace=namespace
         )
         if self.disabled:
             return CachedPrefix(kv_slots, protected_len, last_node)
         aligned_len = len(keys)
-        new_prefix_len, new_last_node, values = self._insert(keys, kv_slots[:aligned_len])
+        new_prefix_len, new_last_node, values = self._insert(
+            keys, kv_slots[:aligned_len], namespace
+        )
         self.allocator.free(kv_slots[protected_len:new_prefix_len])
         # Lock the new path first so the shared part never drops to 0 in between.
         self.lock(new_last_node)
         self.unlock(last_node)
+        self._enforce_cap(namespace)  # (the request's own path is locked)
         slots = np.concatenate([*values, kv_slots[aligned_len:]])
         return CachedPrefix(slots, aligned_len, new_last_node)
 
@@ -266,7 +361,7 @@ class RadixCache(TreeChecks, PrefixCache):
             "retracting into the tree needs the hierarchical cache (--enable-hierarchical-cache)"
         )
 
-    def backup_prefix(self, token_ids: object) -> int:
+    def backup_prefix(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> int:
         self.check_can_back_up()
         return 0
 
@@ -301,11 +396,50 @@ class RadixCache(TreeChecks, PrefixCache):
     def _page_key(self, key: np.ndarray, start: int = 0) -> bytes:
         return key[start : start + self.page_size].tobytes()
 
+    def _edge_key(self, node: TreeNode) -> bytes:
+        """The key ``node`` is filed under in its parent's children: its first page, and
+        under the root a non-default namespace's digest in front (32 bytes: never a
+        default key's length, a whole number of 8-byte token ids)."""
+        page = node.key[: self.page_size].tobytes()
+        if node.namespace and node.parent is self.root:
+            return node.namespace.encode() + page
+        return page
+
+    # -- namespaces ---------------------------------------------------------------
+
+    def _count_namespace(self, namespace: str, delta: int) -> None:
+        """A non-default namespace's device tokens changed by ``delta``."""
+        count = self._ns_tokens.get(namespace, 0) + delta
+        if count:
+            self._ns_tokens[namespace] = count
+        else:
+            del self._ns_tokens[namespace]
+
+    def _ns_heap(self, namespace: str) -> EvictionHeap:
+        heap = self._ns_leaves.get(namespace)
+        if heap is None:
+            heap = self._ns_leaves[namespace] = EvictionHeap(lru_rank, self._is_device_candidate)
+        return heap
+
+    def _is_device_candidate(self, node: TreeNode) -> bool:
+        """What :meth:`evict` may take (a subclass's device leaves)."""
+        return self._is_free_leaf(node)
+
+    def _enforce_cap(self, namespace: str) -> None:
+        """``namespace`` over the cap evicts its own LRU unlocked leaves down to it."""
+        cap = self.namespace_cap
+        if cap and namespace:
+            over = self._ns_tokens.get(namespace, 0) - cap
+            if over > 0:
+                self.evict_namespace(namespace, over)
+
     def _as_key(self, token_ids: object) -> np.ndarray:
         token_ids = _as_int_array(token_ids, "token_ids")
         return token_ids[: len(token_ids) - len(token_ids) % self.page_size]
 
-    def _walk(self, key: np.ndarray) -> tuple[list[TreeNode], int]:
+    def _walk(
+        self, key: np.ndarray, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[list[TreeNode], int]:
         """Walk ``key`` as far as it matches, refreshing access times and splitting the
         last node if the match ends inside it; return (path of nodes, matched_len).
 
@@ -314,8 +448,10 @@ class RadixCache(TreeChecks, PrefixCache):
         """
         self._clock += 1
         node, matched_len, path = self.root, 0, []
+        # Under the root, a non-default namespace's edges carry its digest (_edge_key).
+        edge = namespace.encode() + self._page_key(key) if namespace else self._page_key(key)
         while matched_len < len(key):
-            child = node.children.get(self._page_key(key, matched_len))
+            child = node.children.get(edge)
             if child is None:
                 break
             child.last_access_time = self._clock
@@ -327,17 +463,23 @@ class RadixCache(TreeChecks, PrefixCache):
             path.append(child)
             matched_len += common
             node = child
+            edge = self._page_key(key, matched_len)
         return path, matched_len
 
-    def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, TreeNode, list[np.ndarray]]:
+    def _insert(
+        self, key: np.ndarray, slots: np.ndarray, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[int, TreeNode, list[np.ndarray]]:
         """Insert validated arrays; return (already-cached length, deepest node, path values)."""
-        path, prefix_len = self._walk(key)
+        path, prefix_len = self._walk(key, namespace)
         node, values = path[-1] if path else self.root, [n.value for n in path]
         if prefix_len < len(key):
             # Copies: the caller may reuse its arrays, the tree must not see that.
             leaf = self._new_node(key[prefix_len:].copy(), slots[prefix_len:].copy(), node)
             leaf.last_access_time = self._clock
-            node.children[self._page_key(leaf.key)] = leaf
+            if namespace:
+                leaf.namespace = namespace
+                self._count_namespace(namespace, len(leaf.key))
+            node.children[self._edge_key(leaf)] = leaf
             self._num_evictable_tokens += len(leaf.key)
             self._touch(leaf)
             values.append(leaf.value)
@@ -353,7 +495,8 @@ class RadixCache(TreeChecks, PrefixCache):
         upper = self._new_node(node.key[:split_len], node.value[:split_len], node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access_time = node.last_access_time
-        node.parent.children[self._page_key(upper.key)] = upper
+        upper.namespace = node.namespace
+        node.parent.children[self._edge_key(upper)] = upper
         node.key = node.key[split_len:]
         node.value = node.value[split_len:]
         node.parent = upper
@@ -373,9 +516,12 @@ class RadixCache(TreeChecks, PrefixCache):
         """``node`` may have become evictable or changed its LRU rank: record it (each
         eviction heap checks whether it is a candidate there)."""
         self._free_leaves.push(node)
+        if self._ns_leaves and node.namespace:
+            self._ns_heap(node.namespace).push(node)
 
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_free_leaf, "free leaves")
+        self._check_namespace_heaps()
 
     def _check_attached(self, node: TreeNode) -> None:
         if node.parent is None and node is not self.root:
@@ -407,6 +553,7 @@ class RadixCache(TreeChecks, PrefixCache):
         last_node: TreeNode,
         *,
         is_insert: bool,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Validate a request hand-back; return (page-aligned keys, kv_slots).
 
@@ -431,6 +578,11 @@ class RadixCache(TreeChecks, PrefixCache):
             )
         if last_node is not self.root and last_node.lock_ref == 0:
             raise InvalidArgumentError(f"last_node {last_node.node_id} is not locked")
+        check_namespace(namespace)
+        if last_node is not self.root and last_node.namespace != namespace:
+            raise InvalidArgumentError(
+                f"last_node {last_node.node_id} is in another cache namespace"
+            )
         # The tree walks ``keys`` to insert: tokens other than the locked path's
         # would file the tree's own slots under a second key (a page in two nodes).
         if is_insert and not np.array_equal(keys[:protected_len], locked_key):

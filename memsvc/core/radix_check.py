@@ -7,6 +7,7 @@ change the tree: its shape, locks, counters and eviction heaps. Changes nothing.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -27,11 +28,14 @@ class TreeChecks:
     disabled: bool
     _num_evictable_tokens: int
     _num_protected_tokens: int
+    _ns_tokens: dict[str, int]
+    _ns_leaves: dict[str, EvictionHeap]
 
     if TYPE_CHECKING:
 
         def iter_nodes(self) -> Iterator[TreeNode]: ...
-        def _page_key(self, key: np.ndarray, start: int = 0) -> bytes: ...
+        def _edge_key(self, node: TreeNode) -> bytes: ...
+        def _is_device_candidate(self, node: TreeNode) -> bool: ...
         def _check_page_runs(self, slots: np.ndarray, what: str) -> None: ...
         def _check_eviction_heaps(self) -> None: ...
 
@@ -67,8 +71,10 @@ class TreeChecks:
             parent = stack.pop()
             for page_key, node in parent.children.items():
                 where, key_len = f"node {node.node_id}", len(node.key)
-                if node.parent is not parent or self._page_key(node.key) != page_key:
+                if node.parent is not parent or self._edge_key(node) != page_key:
                     raise IntegrityError(f"{where}: wrong parent link or child key")
+                if parent is not root and node.namespace != parent.namespace:
+                    raise IntegrityError(f"{where}: in another cache namespace than its parent")
                 if not key_len or key_len % ps:
                     raise IntegrityError(f"{where}: key length {key_len}")
                 if node.lock_ref < 0 or (parent is not root and node.lock_ref > parent.lock_ref):
@@ -93,6 +99,21 @@ class TreeChecks:
                 f"(evictable, protected) counters say {counters}, the tree holds"
                 f" {(num_tokens[False], num_tokens[True])}"
             )
+        per_namespace: Counter[str] = Counter()
+        for node in self.iter_nodes():
+            if node.namespace and node.value.size:
+                per_namespace[node.namespace] += len(node.key)
+        if dict(per_namespace) != self._ns_tokens:
+            raise IntegrityError("per-namespace device token counters disagree with the tree")
+
+    def _check_namespace_heaps(self) -> None:
+        """With a namespace cap: each namespace's device leaves are in its own heap."""
+        if not self._ns_leaves:
+            return
+        recorded = {id(n) for heap in self._ns_leaves.values() for n in heap.candidates()}
+        for node in self.iter_nodes():
+            if node.namespace and self._is_device_candidate(node) and id(node) not in recorded:
+                raise IntegrityError(f"node {node.node_id}: not in its namespace's eviction heap")
 
     def _check_heap(
         self, heap: EvictionHeap, is_candidate: Callable[[TreeNode], bool], what: str

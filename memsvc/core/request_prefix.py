@@ -36,6 +36,17 @@ if TYPE_CHECKING:
     from memsvc.core.req_to_token import ReqToTokenTable
 
 
+# A namespace's match counters (KVPool.namespace_stats): tokens each tier matched, all
+# tiers together, and tokens looked up.
+NAMESPACE_HIT_KEYS = (
+    "device_hit_tokens",
+    "host_hit_tokens",
+    "storage_hit_tokens",
+    "matched_tokens",
+    "lookup_tokens",
+)
+
+
 @dataclass(frozen=True)
 class TierMatch:
     """A prefix match over the tiers: ``prefix_len`` = device + host + storage tokens."""
@@ -72,6 +83,8 @@ class RequestPrefixes:
         self._loading: dict[str, list[tuple[TreeNode, CopyFence]]] = {}
         # rid -> the prefix length it holds since a failed load cut it back, until it is told
         self._cut: dict[str, int] = {}
+        # namespace -> tokens matched (per tier) and looked up, since the start
+        self.namespace_hits: dict[str, dict[str, int]] = {}
 
     @property
     def num_loading(self) -> int:
@@ -89,7 +102,7 @@ class RequestPrefixes:
         """Lock the longest prefix of ``tokens`` in any tier for ``req`` (holding no KV)
         and write it into its row; its off-device part is loading."""
         for _ in range(len(tokens) // self.tree.page_size + 1):
-            match = self.tree.match_and_load(tokens)
+            match = self.tree.match_and_load(tokens, req.namespace)
             failed = [n for n, f in match.loads if f.done() and f.error() is not None]
             if not failed:
                 break
@@ -100,6 +113,14 @@ class RequestPrefixes:
         req.kv_len = req.protected_len = int(match.slots.size)
         if match.loads:
             self._loading[req.rid] = match.loads
+        hits = self.namespace_hits.get(req.namespace)
+        if hits is None:
+            hits = self.namespace_hits[req.namespace] = dict.fromkeys(NAMESPACE_HIT_KEYS, 0)
+        hits["device_hit_tokens"] += match.device_tokens
+        hits["host_hit_tokens"] += match.host_tokens
+        hits["storage_hit_tokens"] += match.storage_tokens
+        hits["matched_tokens"] += req.kv_len
+        hits["lookup_tokens"] += int(tokens.size)
         return TierMatch(
             req.kv_len,
             match.device_tokens,
@@ -160,7 +181,9 @@ class RequestPrefixes:
         tokens = self.committed_tokens(req, token_ids)
         self._drop_reservation(req, tokens.size)
         kv_slots = self.table.read(req.row, 0, req.kv_len)
-        cached = self.tree.cache_unfinished_req(tokens, kv_slots, req.protected_len, req.last_node)
+        cached = self.tree.cache_unfinished_req(
+            tokens, kv_slots, req.protected_len, req.last_node, namespace=req.namespace
+        )
         self._hand_to_tree(req, kv_slots[req.protected_len : cached.protected_len])
         self.table.write(req.row, req.protected_len, cached.slots[req.protected_len :])
         req.protected_len, req.last_node = cached.protected_len, cached.last_node
@@ -184,7 +207,12 @@ class RequestPrefixes:
             tokens = np.zeros(req.kv_len, dtype=np.int64)  # only the length matters
         kv_slots = self.table.read(req.row, 0, req.kv_len)
         self.tree.cache_finished_req(
-            tokens, kv_slots, req.protected_len, req.last_node, is_insert=is_insert
+            tokens,
+            kv_slots,
+            req.protected_len,
+            req.last_node,
+            is_insert=is_insert,
+            namespace=req.namespace,
         )
         if is_insert:
             self._hand_to_tree(req, kv_slots[req.protected_len :])

@@ -40,11 +40,12 @@ from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HostTier
 from memsvc.core.prefix_cache import CacheHit
-from memsvc.core.radix_cache import TreeNode
+from memsvc.core.radix_cache import TreeNode, check_namespace
 from memsvc.core.storage import StorageBackend
 from memsvc.core.swa_allocator import SWAPageAllocator
 from memsvc.core.swa_host_store import SWABuffersView
 from memsvc.core.swa_radix_cache import SWARadixCache
+from memsvc.namespace import DEFAULT_NAMESPACE
 
 
 @dataclass(slots=True, eq=False)
@@ -147,22 +148,22 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
                 parts.append(np.zeros(len(node.key) // ps, dtype=bool))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
 
-    def match_and_load(self, token_ids: object) -> CacheHit:
+    def match_and_load(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> CacheHit:
         """:meth:`HiRadixCache.match_and_load` of the longest prefix whose SWA tail is held
         in the tier it comes from; if the off-device part is not loaded after all, the
         device part is cut to its own SWA tail rule the same way."""
         key = self._as_key(token_ids)
-        path, _ = self._walk(key)
+        path, _ = self._walk(key, check_namespace(namespace))
         valid = swa_valid_len(self._has_swa(path), self.page_size, self.sliding_window)
         hits_before = dict(self.stats.hit_tokens)
-        hit = HiRadixCache.match_and_load(self, key[:valid])
+        hit = HiRadixCache.match_and_load(self, key[:valid], namespace)
         device_valid = self.swa_valid_len(hit.slots)
         if device_valid == hit.slots.size:
             return hit
         # nothing off the device was loaded and the device part's tail is a tombstone
         assert not hit.host_tokens and not hit.storage_tokens
         self.stats.hit_tokens.update(hits_before)  # counted once, by the call below
-        return HiRadixCache.match_and_load(self, key[:device_valid])
+        return HiRadixCache.match_and_load(self, key[:device_valid], namespace)
 
     # -- the host tier's SWA copies ----------------------------------------------------
 

@@ -32,6 +32,7 @@ from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import IntegrityError, InvalidArgumentError
 from memsvc.core.radix_cache import MatchResult, RadixCache
 from memsvc.core.swa_allocator import SWAPageAllocator
+from memsvc.namespace import DEFAULT_NAMESPACE
 
 
 def floor_page(n: int, page_size: int) -> int:
@@ -76,14 +77,14 @@ class SWARadixCache(RadixCache):
 
     # -- match ---------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: object) -> MatchResult:
+    def match_prefix(self, token_ids: object, namespace: str = DEFAULT_NAMESPACE) -> MatchResult:
         """The longest cached prefix whose SWA tail is held (see the module docstring)."""
-        match = super().match_prefix(token_ids)
+        match = super().match_prefix(token_ids, namespace)
         valid_len = self.swa_valid_len(match.slots)
         if valid_len == match.slots.size:
             return match
         key = self._as_key(token_ids)[:valid_len]
-        return super().match_prefix(key)  # splits the node the shorter match ends in
+        return super().match_prefix(key, namespace)  # splits the node the shorter match ends in
 
     def swa_valid_len(self, slots: np.ndarray) -> int:
         """The longest page-aligned prefix of tree ``slots`` whose SWA tail has SWA pages."""
@@ -100,12 +101,14 @@ class SWARadixCache(RadixCache):
 
     # -- insert --------------------------------------------------------------------------
 
-    def _insert(self, key: np.ndarray, slots: np.ndarray) -> tuple[int, object, list[np.ndarray]]:
+    def _insert(
+        self, key: np.ndarray, slots: np.ndarray, namespace: str = DEFAULT_NAMESPACE
+    ) -> tuple[int, object, list[np.ndarray]]:
         """:meth:`RadixCache._insert`; then the already-cached part takes the SWA pages the
         caller's duplicate pages hold where its own are tombstones (SGLang revives a
         tombstone node from the inserted value the same way): same tokens at the same
         positions, same KV. The caller then frees its duplicates' full pages alone."""
-        prefix_len, node, values = super()._insert(key, slots)
+        prefix_len, node, values = super()._insert(key, slots, namespace)
         if prefix_len:
             ps = self.page_size
             tree_pages = np.concatenate(values)[:prefix_len:ps] // ps
