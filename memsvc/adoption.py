@@ -123,8 +123,8 @@ def commit(service: MemService, session: Session, msg: p.Commit) -> dict[str, An
     missing = [rid for rid in msg.drop if rid not in records and rid not in added]
     if missing:
         raise InvalidArgumentError(f"commit: no record to drop for {missing[:3]}")
-    token_lens = msg.entries.reshape(-1, p.COMMIT_ENTRY_FIELDS)[:, 1] if msg.rids else ()
-    growth = sum(r.nbytes for r in added.values()) + 8 * int(np.sum(token_lens))
+    num_tokens = msg.token_ids.size if msg.rids else 0
+    growth = sum(r.nbytes for r in added.values()) + 8 * num_tokens
     growth -= sum(r.nbytes for r in dropped)
     count = len(records) + len(added) - len(dropped)
     if count > service.journals.max_records or journal.nbytes + growth > service.journals.max_bytes:
@@ -175,35 +175,42 @@ def _check_appends(
     records: dict[str, Record],
     added: dict[str, Record],
 ) -> list[object | None]:
-    """The row each entry's ``kv_committed`` is said of (None: none), after checking it."""
+    """The row each entry's ``kv_committed`` is said of (None: none), after checking it.
+
+    Runs on every decode step: the per-rid loop does dict lookups only (a rid in
+    ``session.rids`` is owned by the session).
+    """
     if not msg.rids:
         return []
-    entries = msg.entries.reshape(-1, p.COMMIT_ENTRY_FIELDS).tolist()
-    if sum(e[1] for e in entries) != msg.token_ids.size:
-        raise InvalidArgumentError("commit: token counts must add up to the size of token_ids")
+    table = msg.entries.reshape(-1, p.COMMIT_ENTRY_FIELDS)
+    if (table[:, 1] < 0).any() or int(table[:, 1].sum()) != msg.token_ids.size:
+        raise InvalidArgumentError(
+            "commit: token counts must be >= 0 and add up to the size of token_ids"
+        )
     pool = service.pool
+    owned = session.rids
     rows: list[object | None] = []
-    for rid, (offset, num, kv_committed, retractions) in zip(msg.rids, entries, strict=True):
+    for rid, (offset, num, kv_committed, retractions) in zip(
+        msg.rids, table.tolist(), strict=True
+    ):
         record = records.get(rid) or added.get(rid)
         if record is None:
             raise InvalidArgumentError(f"commit: no record for {rid!r} (open it with new_rids)")
-        if offset != len(record.outputs) or num < 0:
+        if offset != len(record.outputs):
             raise InvalidArgumentError(
                 f"commit: {rid!r} has {len(record.outputs)} committed outputs; an append must "
-                f"start there (got offset {offset}, {num} tokens)"
+                f"start there (got offset {offset})"
             )
         if retractions < record.retractions:
             raise InvalidArgumentError(f"commit: {rid!r}'s retract count cannot go down")
-        seq_len = record.prompt_len + offset + num
-        if not 0 <= kv_committed < seq_len:
+        if not 0 <= kv_committed < record.prompt_len + offset + num:
             raise InvalidArgumentError(
                 f"commit: {rid!r} cannot have {kv_committed} KV positions written at "
-                f"sequence length {seq_len}"
+                f"sequence length {record.prompt_len + offset + num}"
             )
         row = None
         if kv_committed:
-            service.sessions.check_owner(session, rid)
-            if rid not in session.rids or not pool.is_open(rid):
+            if rid not in owned or not pool.is_open(rid):
                 raise InvalidArgumentError(f"commit: {rid!r} holds no row in this session")
             row = pool.request(rid)
             if row.kv_len < kv_committed:

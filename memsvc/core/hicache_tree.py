@@ -132,20 +132,20 @@ class TieredTree(RadixCache):
             and not any(c.value.size for c in node.children.values())
         )
 
-    def _touch(self, node: TreeNode) -> None:
     def _is_device_candidate(self, node: TreeNode) -> bool:
         return self._is_device_leaf(node)
 
+    def _touch(self, node: TreeNode) -> None:
         self._free_leaves.push(node)
         self._host_heap.push(node)
         self._storage_heap.push(node)
-
         if self._ns_leaves and node.namespace:
             self._ns_heap(node.namespace).push(node)
+
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_device_leaf, "device leaves")
-        self._check_heap(self._host_heap, self._host_evictable, "evictable host copies")
         self._check_namespace_heaps()
+        self._check_heap(self._host_heap, self._host_evictable, "evictable host copies")
         self._check_heap(self._storage_heap, self._storage_evictable, "evictable storage copies")
 
     # -- node placement --------------------------------------------------------------
@@ -424,11 +424,11 @@ class TieredTree(RadixCache):
                 if n.value.size:
                     slots, n.value = n.value, _EMPTY
                     self._num_evictable_tokens -= len(n.key)
+                    if n.namespace:
+                        self._count_namespace(n.namespace, -len(n.key))
                     self.allocator.free(slots)
                 n.load_fence = None
             self._drop_subtree(node)
-                    if n.namespace:
-                        self._count_namespace(n.namespace, -len(n.key))
 
     def _drop_subtree(self, node: TreeNode) -> None:
         """Remove an unlocked, off-device node and everything below it from all tiers."""

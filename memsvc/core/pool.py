@@ -66,10 +66,10 @@ from memsvc.core.swa_hicache import SWAHiRadixCache
 from memsvc.core.swa_host_store import HybridHostStore
 from memsvc.core.swa_radix_cache import SWARadixCache
 from memsvc.core.swa_window import SWAWindows
-
 from memsvc.namespace import DEFAULT_NAMESPACE, namespace_label
 
 NAMESPACE_STATS_TOP = 16  # namespaces the stats list, by device tokens cached
+
 
 @dataclass
 class ReqKV:
@@ -84,8 +84,8 @@ class ReqKV:
     last_node: TreeNode
     kv_lens: np.ndarray = field(repr=False)
     protected_len: int = 0  # leading positions whose slots the tree owns
-
     namespace: str = DEFAULT_NAMESPACE  # its cache namespace: every tree op for it uses it
+
     @property
     def kv_len(self) -> int:
         """Positions with a KV slot."""
@@ -108,8 +108,8 @@ class KVPool(HostStoreOps):
         async_offload: bool = False,
         hicache: HiCacheConfig | None = None,
         storage_seed: Callable[[str], str] | None = None,
-    ) -> None:
         max_cached_tokens_per_namespace: int = 0,
+    ) -> None:
         self.layout = layout
         # Offload copies return before they finish; freed pages wait for them.
         self.async_offload = async_offload
@@ -182,6 +182,8 @@ class KVPool(HostStoreOps):
         # Requests' prefixes in the tree: matched in (with the loads alloc_extend waits
         # for, hicache), published, handed back.
         self._prefixes = RequestPrefixes(self.tree, self.table, self.allocator, self._reqs)
+        # --max-cached-tokens-per-salt: each non-default namespace's device tokens
+        self.tree.set_namespace_cap(max_cached_tokens_per_namespace)
 
     # -- sizes (tokens) --------------------------------------------------------
 
@@ -192,8 +194,6 @@ class KVPool(HostStoreOps):
     @property
     def capacity(self) -> int:
         return self.allocator.capacity
-        # --max-cached-tokens-per-salt: each non-default namespace's device tokens
-        self.tree.set_namespace_cap(max_cached_tokens_per_namespace)
 
     def available_size(self) -> int:
         """Free tokens an allocation can have: ``min(full, swa)`` for a hybrid model."""
@@ -491,20 +491,6 @@ class KVPool(HostStoreOps):
             self.tree.flush_swa()
         return evicted
 
-    def ensure_available(self, num_tokens: int) -> None:
-        """Evict from the tree only what is missing for ``num_tokens`` free slots; for a
-        hybrid model each pool's shortfall, full first (it frees SWA pages too)."""
-        if self.swa is not None:
-            full_shortfall = num_tokens - self.full_available_size()
-            if full_shortfall > 0:
-                self.tree.evict(full_shortfall)
-            swa_shortfall = num_tokens - self.swa_available_size()
-            if swa_shortfall > 0:
-                self.evict_swa(swa_shortfall)
-            return
-        shortfall = num_tokens - self.available_size()
-        if shortfall > 0:
-            self.tree.evict(shortfall)
     def namespace_stats(self, top: int = NAMESPACE_STATS_TOP) -> dict[str, dict[str, int]]:
         """The ``top`` namespaces by device tokens cached (then by tokens matched), by
         label (:func:`~memsvc.namespace.namespace_label`, never a salt): cached tokens and
@@ -522,6 +508,20 @@ class KVPool(HostStoreOps):
             out[namespace_label(ns)] = row
         return out
 
+    def ensure_available(self, num_tokens: int) -> None:
+        """Evict from the tree only what is missing for ``num_tokens`` free slots; for a
+        hybrid model each pool's shortfall, full first (it frees SWA pages too)."""
+        if self.swa is not None:
+            full_shortfall = num_tokens - self.full_available_size()
+            if full_shortfall > 0:
+                self.tree.evict(full_shortfall)
+            swa_shortfall = num_tokens - self.swa_available_size()
+            if swa_shortfall > 0:
+                self.evict_swa(swa_shortfall)
+            return
+        shortfall = num_tokens - self.available_size()
+        if shortfall > 0:
+            self.tree.evict(shortfall)
 
     def cache_unfinished(self, rid: str, token_ids: Sequence[int] | np.ndarray) -> int:
         """Publish a running request's page-aligned KV to the tree; returns the new prefix len.
@@ -574,6 +574,7 @@ class KVPool(HostStoreOps):
         """Close ``rid`` inserting its KV into the tree, and back its path up to the host
         tier now (hicache; a normal-mode retract victim); returns the bytes copied."""
         self.tree.check_can_back_up()
+        namespace = self.request(rid).namespace
         before = self.tree.backup_bytes()  # write_through copies on the insert itself
         self.release(rid, token_ids, is_insert=True)
         self.tree.backup_prefix(token_ids, namespace)
@@ -588,7 +589,6 @@ class KVPool(HostStoreOps):
 
     def check_integrity(self, *, idle: bool = False) -> None:
         """Raise :class:`IntegrityError` unless every page is in exactly one place
-        namespace = self.request(rid).namespace
         and every counter agrees; with ``idle``, also that nothing is held."""
         check_pool(self, idle=idle)
 
