@@ -137,9 +137,7 @@ class EngineBase:
 
     async def open_row(self, req: Req) -> int:
         """Open ``req`` in memsvc, in its cache namespace; returns its req_to_token row."""
-        if req.namespace:
-            return await self.mem.alloc_row(req.rid, namespace=req.namespace)
-        return await self.mem.alloc_row(req.rid)  # the default namespace: memsvc's default
+        return await self.mem.alloc_row(req.rid, namespace=req.namespace)
 
     def _mark_readmitted(self, req: Req) -> None:
         """A retracted request is back: the thrash guard's cooldown starts now."""

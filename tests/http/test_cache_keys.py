@@ -189,5 +189,5 @@ def test_memsvc_opens_each_row_in_its_requests_namespace() -> None:
         ("admit", ["b"], {}),
         ("admit", ["b", "a"], {"namespaces": ["", salted.namespace]}),
         ("alloc_row", "a", {"namespace": salted.namespace}),
-        ("alloc_row", "b", {}),
+        ("alloc_row", "b", {"namespace": ""}),
     ]
