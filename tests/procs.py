@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -20,6 +22,7 @@ __all__ = [
     "REPO",
     "SMALL_POOL",
     "Stack",
+    "at_once",
     "kill_parent_of_stack",
     "kill_processes",
     "processes_with",
@@ -133,6 +136,16 @@ def kill_processes(pids: list[int]) -> list[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return [name for pid in pids for name in remove_segments(pid)]
+
+
+T = TypeVar("T")
+
+
+def at_once(calls: list[Callable[[], T]]) -> list[T]:
+    """Each call's result, in order, the calls run together in threads: for probes that
+    each wait out a timeout (a peer that must not answer), which add up one by one."""
+    with ThreadPoolExecutor(max(len(calls), 1)) as pool:
+        return list(pool.map(lambda call: call(), calls))
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):

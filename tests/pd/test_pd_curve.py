@@ -10,6 +10,7 @@ and one with a key it does not accept.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,20 @@ from memsvc.client import MemClient
 from memsvc.curve import CurveClientKeys, KeyFolder
 from scheduler_svc.client import GenerateClient
 from tests.pd.test_transfer_auth import TransferPeer
+from tests.procs import at_once
 
 POOL = ["--page-size", "4", "--num-pages", "256", "--max-context-len", "1024"]
 KINDS = {"memsvc": "memsvc", "model_svc": "model_svc", "scheduler": "scheduler_svc"}
+
+
+def transfer_reply(address: str, curve: CurveClientKeys | None) -> dict | None:
+    """A query to memsvc-D's transfer listener with ``curve``'s keys; its reply within 1 s."""
+    peer = TransferPeer(address, curve)
+    try:
+        peer.send({"t": "query", "room": 1, "rid": "anything"})
+        return peer.reply(1.0)
+    finally:
+        peer.close()
 
 
 @pytest.fixture
@@ -55,21 +67,21 @@ def test_pd_stack_with_curve_serves_and_refuses_strangers(
 
     _, stranger_secret = zmq.auth.create_certificates(tmp_path, "stranger")
     stranger = CurveClientKeys.from_files(keys.server_public, stranger_secret)
-    for name, service in up.items():
-        kind = "router" if name == "router" else KINDS[name.rsplit("-", 1)[0]]
-        for curve in (None, stranger):
-            healthy, detail = check(kind, service.address, 1.0, curve)
-            assert not healthy, f"{name} answered a client without the stack's keys: {detail}"
-        assert check(kind, service.address, 10.0, client)[0], name
-
+    kinds = {name: "router" if name == "router" else KINDS[name.rsplit("-", 1)[0]] for name in up}
+    # Each refusal waits out its 1 s timeout: the 16 probes go together (at_once).
     transfer = f"ipc://{tmp_path}/transfer.sock"
-    for curve in (None, stranger):
-        peer = TransferPeer(transfer, curve)
-        try:
-            peer.send({"t": "query", "room": 1, "rid": "anything"})
-            assert peer.reply(1.0) is None  # not even "not_ready": nothing got through
-        finally:
-            peer.close()
+    strangers = [(name, curve) for name in up for curve in (None, stranger)]
+    refused = at_once(
+        [partial(check, kinds[name], up[name].address, 1.0, curve) for name, curve in strangers]
+        + [partial(transfer_reply, transfer, curve) for curve in (None, stranger)]
+    )
+    checks, replies = refused[: len(strangers)], refused[len(strangers) :]
+    for (name, _), (healthy, detail) in zip(strangers, checks, strict=True):
+        assert not healthy, f"{name} answered a client without the stack's keys: {detail}"
+    assert replies == [None, None]  # not even "not_ready": nothing got through
+    for name, service in up.items():
+        assert check(kinds[name], service.address, 10.0, client)[0], name
+
     peer = TransferPeer(transfer, client)
     try:
         peer.send({"t": "query", "room": 1, "rid": "anything"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import stat
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import zmq.auth
 from kvstack.up.health import check
 from memsvc.curve import CurveClientKeys, KeyFolder
 from scheduler_svc.client import GenerateClient
+from tests.procs import at_once
 from tests.supervisor.test_supervisor import POOL, kvstack, run_dir, up, wait_for
 
 __all__ = ["run_dir", "up"]  # the fixtures, shared with test_supervisor
@@ -32,9 +34,14 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def assert_refused_without_the_keys(kind: str, address: str, stranger: CurveClientKeys) -> None:
-    for curve in (None, stranger):  # no keys at all; a key the stack does not accept
-        healthy, detail = check(kind, address, REFUSED_WITHIN_S, curve)
+def assert_refused_without_the_keys(
+    services: list[tuple[str, str]], stranger: CurveClientKeys
+) -> None:
+    """Each (kind, address) refuses a client without keys and one with ``stranger``'s;
+    each refusal waits out its timeout, so the probes go together (at_once)."""
+    probes = [(kind, address, curve) for kind, address in services for curve in (None, stranger)]
+    answers = at_once([partial(check, k, a, REFUSED_WITHIN_S, c) for k, a, c in probes])
+    for (kind, _, _), (healthy, detail) in zip(probes, answers, strict=True):
         assert not healthy, f"{kind} answered a client without the stack's keys: {detail}"
 
 
@@ -61,8 +68,10 @@ def test_up_with_curve_on_every_socket(up, run_dir: Path, tmp_path: Path) -> Non
 
     _, stranger_secret = zmq.auth.create_certificates(tmp_path, "stranger")
     stranger = CurveClientKeys.from_files(keys.server_public, stranger_secret)
-    for name in ("memsvc", "model_svc", "scheduler_svc"):
-        assert_refused_without_the_keys(procs[name]["kind"], procs[name]["address"], stranger)
+    names = ("memsvc", "model_svc", "scheduler_svc")
+    assert_refused_without_the_keys(
+        [(procs[n]["kind"], procs[n]["address"]) for n in names], stranger
+    )
 
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(120) == 0, stack.output()
