@@ -22,11 +22,11 @@ from types import SimpleNamespace
 
 from memsvc import protocol as wire
 from memsvc.core import KVPool
+from memsvc.core.layout import PoolLayout
 from memsvc.handlers import MemService, ServiceConfig
 from memsvc.inproc import InProcessMem
 from scheduler_svc.adopt import Journal, Owner
 from scheduler_svc.core import Req, ReqState, SamplingParams
-from tests.helpers import small_layout
 
 
 class TimedMem(InProcessMem):
@@ -43,7 +43,10 @@ class TimedMem(InProcessMem):
 async def run(num_reqs: int, prompt_len: int, steps: int) -> dict:
     page = 16
     tokens = num_reqs * (prompt_len + steps + page)
-    layout = small_layout(
+    layout = PoolLayout(  # a small model's KV: the control plane is what is measured
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
         page_size=page,
         num_pages=tokens // page + num_reqs + 8,
         max_running_requests=num_reqs,
