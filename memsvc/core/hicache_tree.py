@@ -32,7 +32,7 @@ from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
-from memsvc.core.storage.kept import KeptPages, stored_oldest_first
+from memsvc.core.storage.kept import KeptPages
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -100,7 +100,7 @@ class TieredTree(RadixCache):
         """The kept pages a previous memsvc left, the oldest deleted past the cap."""
         if self.storage is None or not self.config.storage_keep:
             return KeptPages()
-        kept = KeptPages(stored_oldest_first(self.storage))
+        kept = KeptPages(self.storage.keys_oldest_first())
         over = len(kept) - self.storage_capacity_pages
         if over > 0:
             self.copies.delete(self.storage, kept.oldest(over))

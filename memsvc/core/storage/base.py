@@ -98,5 +98,10 @@ class StorageBackend(ABC):
     def keys(self) -> set[str]:
         """Every key stored (for the integrity check)."""
 
+    def keys_oldest_first(self) -> list[str]:
+        """Every key stored, least recently written first where the backend knows (a kept
+        tier's index, :mod:`memsvc.core.storage.kept`)."""
+        return sorted(self.keys())
+
     def close(self) -> None:
         return None

@@ -20,6 +20,7 @@ from memsvc.core.storage.tierdir import SUFFIX, StorageDir
 
 _CREATE = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_HEX = frozenset("0123456789abcdef")
 
 
 def write_all(fd: int, buffers: list[memoryview | bytes]) -> None:
@@ -41,6 +42,10 @@ def read_all(fd: int, buffers: list[memoryview | bytearray]) -> int:
             total += n
             view = view[n:]
     return total
+
+
+def _is_key(name: str) -> bool:
+    return 0 < len(name) <= 64 and _HEX.issuperset(name)
 
 
 class FileStorage(StorageBackend):
@@ -115,6 +120,18 @@ class FileStorage(StorageBackend):
 
     def keys(self) -> set[str]:
         return {n[: -len(SUFFIX)] for n in os.listdir(self._fd) if n.endswith(SUFFIX)}
+
+    def keys_oldest_first(self) -> list[str]:
+        aged = []
+        for name in os.listdir(self._fd):
+            key = name[: -len(SUFFIX)]
+            if not name.endswith(SUFFIX) or not _is_key(key):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    aged.append((st.st_mtime_ns, key))
+        return [key for _, key in sorted(aged)]
 
     def close(self) -> None:
         self.dir.close([key + SUFFIX for key in self._written])

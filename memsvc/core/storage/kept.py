@@ -13,34 +13,9 @@ verified when it is read (its checksum covers its key and its bytes).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
-
 import numpy as np
 
 from memsvc.core.hicache_tiers import page_hash_chain
-from memsvc.core.storage.base import StorageBackend
-from memsvc.core.storage.tierdir import SUFFIX
-
-_HEX = frozenset("0123456789abcdef")
-
-
-def stored_oldest_first(storage: StorageBackend) -> list[str]:
-    """The keys of ``storage``'s page files, least recently written first."""
-    fd = getattr(storage, "_fd", None)
-    if fd is None:  # a backend without a directory: its listing, in no particular order
-        return sorted(storage.keys())
-    aged = []
-    for name in os.listdir(fd):
-        key = name[: -len(SUFFIX)]
-        if not name.endswith(SUFFIX) or not key or len(key) > 64 or not _HEX.issuperset(key):
-            continue
-        with contextlib.suppress(OSError):
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode):
-                aged.append((st.st_mtime_ns, key))
-    return [key for _, key in sorted(aged)]
 
 
 class KeptPages:
