@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             async_offload=config.async_offload,
             hicache=config.hicache,
             storage_seed=config.identity.storage_seed,
+            zero_freed_kv=config.zero_freed_kv,
             max_cached_tokens_per_namespace=config.max_cached_tokens_per_salt,
         )
     except MemsvcError as exc:

@@ -167,6 +167,13 @@ class MemsvcConfig:
         group=MEMORY,
         forward=True,
     )
+    zero_freed_kv: bool = setting(
+        False,
+        "zero the pages (device pool and host tiers) that held a salted request's KV (a "
+        "non-default cache namespace) before anyone else gets them",
+        group=MEMORY,
+        forward=True,
+    )
     hicache: HiCacheConfig | None = field(
         default=None,
         metadata={

@@ -155,6 +155,10 @@ class TierCopies:
         page that does not verify, after the good ones before it were copied."""
         return self._submit(self._job_from_storage, storage, keys, dev_pages, pool_pages=True)
 
+    def zero_host(self, arena: np.ndarray, pages: np.ndarray) -> CopyFence:
+        """Zero host pages just freed (--zero-freed-kv), after every job still reading them."""
+        return self._submit(self._job_zero_host, arena, pages.copy(), pool_pages=False)
+
     def delete(self, storage: StorageBackend, keys: list[str]) -> CopyFence:
         return self._submit(self._job_storage_delete, storage, keys, pool_pages=False)
 
@@ -239,6 +243,9 @@ class TierCopies:
             raise StoredPageError(
                 f"storage page {keys[num_good]} is unusable: {why}", frozenset(keys[:num_good])
             )
+
+    def _job_zero_host(self, arena: np.ndarray, pages: np.ndarray) -> None:
+        arena[pages] = 0
 
     def _job_storage_delete(self, storage: StorageBackend, keys: list[str]) -> None:
         for key in keys:

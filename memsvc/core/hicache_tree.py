@@ -89,6 +89,7 @@ class TieredTree(RadixCache):
         self.copies = TierCopies(buffers, allocator, self.host, self.stats)
         # Pages a kept storage tier (--hicache-storage-keep) holds that no node holds yet.
         self.kept = self._open_kept()
+        self.zero_freed_host = False  # --zero-freed-kv (the pool sets it)
         self.cost = self._cost_model(config, allocator.num_pages)
         # Each tier's eviction candidates (evict_heap.py): device leaves, host copies,
         # storage copies that may go.
@@ -284,6 +285,8 @@ class TieredTree(RadixCache):
 
     def _free_host(self, node: TreeNode) -> None:
         self.host.free(node.host_pages)
+        if self.zero_freed_host and node.namespace:  # --zero-freed-kv: salted KV
+            self.copies.zero_host(self.host.arena, node.host_pages)
         node.host_pages = None
 
     def _demote(self, node: TreeNode, protect: set[int]) -> bool:

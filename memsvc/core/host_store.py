@@ -44,6 +44,7 @@ class HostEntry:
     num_tokens: int
     extents: list[Extent]
     fence: CopyFence = DONE  # the offload copy writing this entry
+    zero: bool = False  # zeroed when dropped (--zero-freed-kv: a salted request's KV)
 
     @property
     def num_pages(self) -> int:
@@ -154,8 +155,16 @@ class HostStore:
         page_size = self._buffers.layout.page_size
         return pages[tokens // page_size, :, :, tokens % page_size]
 
+    def zero_on_discard(self, rid: str) -> None:
+        """Zero ``rid``'s pages when its entry is dropped (loaded back or discarded)."""
+        self._entry(rid).zero = True
+
     def discard(self, rid: str) -> None:
         entry = self._entry(rid)
+        if entry.zero:
+            entry.fence.wait()  # an offload still writing them would undo the zeroing
+            for first, length in entry.extents:
+                self._arena[first : first + length] = 0
         del self._entries[rid]
         self._used_pages -= entry.num_pages
         self._give_back(entry.extents)

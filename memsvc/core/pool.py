@@ -61,6 +61,7 @@ from memsvc.core.request_prefix import (
     as_token_array,
 )
 from memsvc.core.retract import RetractResult, retract_until_fits
+from memsvc.core.scrub import ZeroFreedKV
 from memsvc.core.swa_allocator import SWAPageAllocator
 from memsvc.core.swa_hicache import SWAHiRadixCache
 from memsvc.core.swa_host_store import HybridHostStore
@@ -109,6 +110,7 @@ class KVPool(HostStoreOps):
         hicache: HiCacheConfig | None = None,
         storage_seed: Callable[[str], str] | None = None,
         max_cached_tokens_per_namespace: int = 0,
+        zero_freed_kv: bool = False,
     ) -> None:
         self.layout = layout
         # Offload copies return before they finish; freed pages wait for them.
@@ -172,6 +174,14 @@ class KVPool(HostStoreOps):
         except BaseException:
             self.buffers.close()
             raise
+        # --zero-freed-kv: pages that held a salted request's KV are zeroed before reuse
+        self.scrub = (
+            ZeroFreedKV(self.allocator, self.buffers, self.table.num_rows)
+            if zero_freed_kv
+            else None
+        )
+        if zero_freed_kv and self.hicache is not None:
+            self.hicache.zero_freed_host = True  # host-tier copies of salted nodes too
         self._reqs: dict[str, ReqKV] = {}
         self._rids_by_row: dict[int, str] = {}
         self._rows = DecodeRows(self.table, self.allocator)
@@ -262,6 +272,8 @@ class KVPool(HostStoreOps):
                 "(raise max_running_requests)"
             )
         self._reqs[rid] = ReqKV(rid, row, self.tree.root, self._kv_lens, namespace=namespace)
+        if self.scrub is not None:
+            self.scrub.open_row(row, namespace)
         self._kv_lens[row] = 0
         if self.swa is not None:
             self.swa.open(row, 0)
@@ -317,6 +329,8 @@ class KVPool(HostStoreOps):
                 f"{tokens.size} tokens exceed max_context_len {self.table.max_context_len}"
             )
         match = self._prefixes.match(req, tokens)
+        if self.scrub is not None and req.namespace and match.prefix_len:
+            self.scrub.taint_slots(self.table.read(req.row, 0, match.prefix_len), self.page_size)
         if self.swa is not None:
             self.swa.open(req.row, req.protected_len)
         return match

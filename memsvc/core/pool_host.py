@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from memsvc.core.pool import ReqKV
     from memsvc.core.prefix_cache import PrefixCache
     from memsvc.core.req_to_token import ReqToTokenTable
+    from memsvc.core.scrub import ZeroFreedKV
     from memsvc.core.swa_window import SWAWindows
 
 
@@ -39,6 +40,7 @@ class HostStoreOps:
     tree: PrefixCache
 
     if TYPE_CHECKING:
+        scrub: ZeroFreedKV | None
 
         def request(self, rid: str) -> ReqKV: ...
         def evict_swa(self, num_tokens: int) -> int: ...
@@ -72,6 +74,8 @@ class HostStoreOps:
             )
         else:
             nbytes = self.host_store.offload(rid, slots, asynchronous=self.async_offload)
+        if self.scrub is not None and req.namespace:
+            self.host_store.zero_on_discard(rid)  # --zero-freed-kv: a salted request's KV
         if self.async_offload:
             self.allocator.copy_issued(self.host_store.fence(rid))
         return nbytes

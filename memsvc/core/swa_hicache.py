@@ -185,7 +185,10 @@ class SWAHiRadixCache(SWARadixCache, HiRadixCache):
     def _free_host(self, node: TreeNode) -> None:
         super()._free_host(node)
         if node.host_swa is not None:
-            self.swa_host.free(node.host_swa[node.host_swa >= 0])
+            held = node.host_swa[node.host_swa >= 0]
+            self.swa_host.free(held)
+            if self.zero_freed_host and node.namespace:  # --zero-freed-kv: salted KV
+                self.copies.zero_host(self.swa_host.arena, held)
             node.host_swa = None
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:

@@ -208,6 +208,10 @@ class HybridHostStore:
         """The stored SWA KV from :meth:`swa_from` on (``[tokens, swa layers, 2, heads, dim]``)."""
         return self.swa.read(rid)
 
+    def zero_on_discard(self, rid: str) -> None:
+        self.full.zero_on_discard(rid)
+        self.swa.zero_on_discard(rid)
+
     def discard(self, rid: str) -> None:
         self.full.discard(rid)
         self.swa.discard(rid)

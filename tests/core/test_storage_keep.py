@@ -22,7 +22,7 @@ from memsvc.core.hicache import HiCacheConfig, page_hash_chain
 from memsvc.core.identity import KVIdentity, layout_string
 from memsvc.core.layout import PoolLayout
 from memsvc.core.storage.file import SUFFIX
-from tests.core.test_hicache import PAGE, finish, run_request, seq
+from tests.core.test_hicache import PAGE, finish, kv_of, kv_shape, run_request, seq
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64
@@ -256,3 +256,36 @@ def test_kept_pages_make_room_first_and_go_with_a_flush(tmp_path):
 def test_keep_needs_a_storage_backend():
     with pytest.raises(InvalidArgumentError, match="--hicache-storage-backend"):
         HiCacheConfig(storage_keep=True)
+
+
+def test_a_kept_page_is_served_to_its_own_namespace_alone(tmp_path):
+    """Pages stored by a salted request come back after a restart to that namespace, and
+    to no other (nor to the default namespace): the seed names the namespace."""
+    tenant_a, tenant_b = "a" * 32, "b" * 32
+    tokens = seq(30, 4)
+    pool = keep_pool(tmp_path)
+    pool.open_request("w", tenant_a)
+    slots = pool.alloc_extend([("w", len(tokens))])
+    pool.buffers.write_slots(slots, kv_of(tokens, 0, kv_shape(pool)))
+    pool.release("w", tokens)
+    pool.evict(pool.evictable_size())
+    pool.hicache.evict_host(pool.hicache.host.num_pages)
+    finish(pool)
+    assert len(page_names(tmp_path)) == 4
+    pool = keep_pool(tmp_path)
+    for rid, namespace in (("b", tenant_b), ("default", "")):
+        pool.open_request(rid, namespace)
+        match = pool.match_prefix_tiers(rid, tokens[:-1])
+        assert (match.prefix_len, match.storage_tokens) == (0, 0), rid
+        pool.release(rid, is_insert=False)
+    no_storage_served(pool)
+    pool.open_request("a", tenant_a)
+    match = pool.match_prefix_tiers("a", tokens[:-1])
+    assert (match.prefix_len, match.storage_tokens) == (16, 16)
+    assert pool.wait_loaded("a") is None
+    np.testing.assert_array_equal(
+        pool.buffers.read_slots(pool.slots("a", 0, 16)),
+        kv_of(tokens[:16], 0, kv_shape(pool)),
+    )
+    pool.release("a", is_insert=False)
+    finish(pool)
