@@ -197,6 +197,15 @@ def pool_args(num_pages: int, max_context_len: int) -> list[str]:
     ]  # fmt: skip
 
 
+def cell_pool(workload: Workload, pressure: float) -> tuple[int, int]:
+    """(device pool pages, max context length) of the workload's cell at ``pressure``."""
+    working_set, longest = workload.working_set()
+    # At least the longest turn (history and reply) must fit the device pool, with the
+    # scheduler's page of headroom.
+    num_pages = max(int(working_set / pressure) // PAGE_SIZE, -(-longest // PAGE_SIZE) + 2)
+    return num_pages, -(-(longest + 64) // 256) * 256
+
+
 def hicache_args(args: argparse.Namespace, tmp: str) -> list[str]:
     flags = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio)]
     if args.write_policy is not None:  # else memsvc's default, whatever it is
@@ -217,10 +226,7 @@ def run_cell(
 ) -> tuple[dict[str, Any], list[str]]:
     """One cell: its stacks started, the rounds served, the pools checked; (figures, leaks)."""
     working_set, longest = workload.working_set()
-    # At least the longest turn (history and reply) must fit the device pool, with the
-    # scheduler's page of headroom.
-    num_pages = max(int(working_set / pressure) // PAGE_SIZE, -(-longest // PAGE_SIZE) + 2)
-    max_context_len = -(-(longest + 64) // 256) * 256
+    num_pages, max_context_len = cell_pool(workload, pressure)
     scheduler = [
         "--schedule-conservativeness", str(args.schedule_conservativeness),
         "--retract-mode", args.retract_mode,
