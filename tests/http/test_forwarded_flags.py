@@ -41,7 +41,17 @@ TUNED = [
 ]  # fmt: skip
 # What each service needs besides the forwarded flags (its layout, its peers).
 REQUIRED = {
-    MEMSVC: ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8"],
+    # (--hicache-storage-keep needs a model digest, which kvstack's launcher passes)
+    MEMSVC: [
+        "--num-layers",
+        "2",
+        "--num-kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--model-digest",
+        "e" * 64,
+    ],
     SCHEDULER: ["--memsvc", "ipc:///m", "--worker", "ipc:///w"],
     ROUTER: ["--prefill", "ipc:///p", "--decode", "ipc:///d"],
 }
@@ -71,6 +81,8 @@ def not_default(flag: Flag) -> list[str]:
     """``flag`` set to a value that is not its default, as argv."""
     if flag.switch:
         return [flag.name]
+    if flag.name == "--hicache-storage-backend":
+        return [flag.name, "file"]  # one --hicache-storage-keep keeps (a directory)
     if flag.choices:
         return [flag.name, next(c for c in reversed(flag.choices) if c != flag.default)]
     if flag.kind is float:
