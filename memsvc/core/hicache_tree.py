@@ -140,8 +140,8 @@ class TieredTree(RadixCache):
         self._free_leaves.push(node)
         self._host_heap.push(node)
         self._storage_heap.push(node)
-        if self._ns_leaves and node.namespace:
-            self._ns_heap(node.namespace).push(node)
+        if self.namespace_cap and node.namespace:
+            self._push_namespace_leaf(node)
 
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_device_leaf, "device leaves")

@@ -145,7 +145,7 @@ class RadixCache(TreeChecks, PrefixCache):
         if max_tokens:
             for node in self.iter_nodes():
                 if node.namespace:
-                    self._ns_heap(node.namespace).push(node)
+                    self._push_namespace_leaf(node)
 
     # -- lookup and insert ----------------------------------------------------
 
@@ -223,7 +223,7 @@ class RadixCache(TreeChecks, PrefixCache):
         """:meth:`evict` of ``namespace``'s unlocked leaves alone, LRU first."""
         if num_tokens < 0:
             raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
-        heap = self._ns_leaves.get(namespace) if namespace else None
+        heap = self._ns_leaves.get(namespace) if namespace and self.namespace_cap else None
         if heap is None:  # no cap heap (or the default namespace): one from its nodes
             heap = EvictionHeap(lru_rank, self._is_device_candidate)
             for node in self.namespace_nodes(namespace):
@@ -412,14 +412,19 @@ class RadixCache(TreeChecks, PrefixCache):
         count = self._ns_tokens.get(namespace, 0) + delta
         if count:
             self._ns_tokens[namespace] = count
-        else:
+        else:  # nothing of it on the device: no leaf of it to evict either
             del self._ns_tokens[namespace]
+            self._ns_leaves.pop(namespace, None)
 
-    def _ns_heap(self, namespace: str) -> EvictionHeap:
-        heap = self._ns_leaves.get(namespace)
+    def _push_namespace_leaf(self, node: TreeNode) -> None:
+        """With a cap: record a device leaf in its namespace's heap (made on its first)."""
+        heap = self._ns_leaves.get(node.namespace)
         if heap is None:
-            heap = self._ns_leaves[namespace] = EvictionHeap(lru_rank, self._is_device_candidate)
-        return heap
+            if not self._is_device_candidate(node):
+                return
+            heap = EvictionHeap(lru_rank, self._is_device_candidate)
+            self._ns_leaves[node.namespace] = heap
+        heap.push(node)
 
     def _is_device_candidate(self, node: TreeNode) -> bool:
         """What :meth:`evict` may take (a subclass's device leaves)."""
@@ -516,8 +521,8 @@ class RadixCache(TreeChecks, PrefixCache):
         """``node`` may have become evictable or changed its LRU rank: record it (each
         eviction heap checks whether it is a candidate there)."""
         self._free_leaves.push(node)
-        if self._ns_leaves and node.namespace:
-            self._ns_heap(node.namespace).push(node)
+        if self.namespace_cap and node.namespace:
+            self._push_namespace_leaf(node)
 
     def _check_eviction_heaps(self) -> None:
         self._check_heap(self._free_leaves, self._is_free_leaf, "free leaves")

@@ -30,6 +30,7 @@ class TreeChecks:
     _num_protected_tokens: int
     _ns_tokens: dict[str, int]
     _ns_leaves: dict[str, EvictionHeap]
+    namespace_cap: int
 
     if TYPE_CHECKING:
 
@@ -108,7 +109,7 @@ class TreeChecks:
 
     def _check_namespace_heaps(self) -> None:
         """With a namespace cap: each namespace's device leaves are in its own heap."""
-        if not self._ns_leaves:
+        if not self.namespace_cap:
             return
         recorded = {id(n) for heap in self._ns_leaves.values() for n in heap.candidates()}
         for node in self.iter_nodes():

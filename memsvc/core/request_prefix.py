@@ -45,6 +45,9 @@ NAMESPACE_HIT_KEYS = (
     "matched_tokens",
     "lookup_tokens",
 )
+# Namespaces whose match counters are kept at most: past it, those with nothing cached
+# are forgotten (else the oldest), so many short-lived tenants cannot grow memsvc.
+MAX_NAMESPACE_HITS = 4096
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,8 @@ class RequestPrefixes:
             self._loading[req.rid] = match.loads
         hits = self.namespace_hits.get(req.namespace)
         if hits is None:
+            if len(self.namespace_hits) >= MAX_NAMESPACE_HITS:
+                self._forget_hits()
             hits = self.namespace_hits[req.namespace] = dict.fromkeys(NAMESPACE_HIT_KEYS, 0)
         hits["device_hit_tokens"] += match.device_tokens
         hits["host_hit_tokens"] += match.host_tokens
@@ -128,6 +133,14 @@ class RequestPrefixes:
             match.storage_tokens,
             match.load_pending,
         )
+
+    def _forget_hits(self) -> None:
+        """Make room in :attr:`namespace_hits`: drop the namespaces with nothing cached
+        (the default one stays), else the oldest one."""
+        cached = self.tree.namespace_tokens()
+        idle = [ns for ns in self.namespace_hits if ns and ns not in cached]
+        for ns in idle or [next(ns for ns in self.namespace_hits if ns)]:
+            del self.namespace_hits[ns]
 
     def settle(self, rids: Iterable[str]) -> dict[str, int]:
         """Wait for the loads of ``rids``' matched prefixes; return those of ``rids``

@@ -303,6 +303,7 @@ def test_the_cap_evicts_only_the_namespace_over_it(kind):
         assert pool.tree.namespace_tokens()[A] <= 8
     tokens_of = pool.tree.namespace_tokens()
     assert tokens_of == {A: 8, B: 8, DEFAULT_NAMESPACE: 16}
+    assert set(pool.tree._ns_leaves) == {A, B}  # each capped namespace's own heap: no walk
     # A keeps its most recent prefix, LRU order within A
     assert hit_of(pool, "a-last", seqs[3], A).device_tokens == 8
     assert hit_of(pool, "a-first", seqs[0], A).device_tokens == 0
@@ -361,6 +362,20 @@ def test_namespace_stats_count_cached_and_hit_tokens_per_tier_by_label():
     assert stats["default"]["cached_tokens"] == 4
     assert all(B not in label and A not in label for label in stats)  # labels, not digests
     assert len(pool.namespace_stats(top=1)) == 1
+    finish(pool)
+
+
+def test_match_counters_of_many_namespaces_stay_bounded(monkeypatch):
+    from memsvc.core import request_prefix
+
+    monkeypatch.setattr(request_prefix, "MAX_NAMESPACE_HITS", 4)
+    pool = make_pool()
+    cache(pool, "a", seq(64), A)  # A keeps cached tokens: its counters stay
+    for i in range(10):
+        hit_of(pool, f"t{i}", seq(65), namespace_of(f"tenant-{i}", None))
+    hits = pool._prefixes.namespace_hits
+    assert len(hits) <= 4 and A in hits
+    assert namespace_of("tenant-9", None) in hits
     finish(pool)
 
 
