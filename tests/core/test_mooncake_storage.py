@@ -116,6 +116,8 @@ def test_a_page_written_by_one_client_is_read_by_another(mooncake_config):
         assert b.get(key, out) is None
         np.testing.assert_array_equal(out, page(2))
         assert a.keys() == {key} and b.keys() == set()  # each lists what it wrote
+        assert b.exists([key, key2]) == [True, False]  # but finds what another wrote
+        assert other.exists([key]) == [False]
         with pytest.raises(ValueError, match="a page is"):
             a.put(key2, np.zeros(3, np.float32))
 

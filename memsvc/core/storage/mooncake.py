@@ -299,6 +299,18 @@ class MooncakeStorage(StorageBackend):
             # force: a lease (any get grants one) must not keep a page the tree dropped
             self._seen(self._store.remove(self._object(key), True))
 
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Whether the store holds a record under each key, whoever wrote it (one round
+        trip; not verified: :meth:`get` does that); all ``False`` while it cannot be
+        reached. How another node's pages can be found: the tree's hash chain gives the
+        keys a prefix would have."""
+        if not keys or self._reachable() is not None:
+            return [False] * len(keys)
+        found = self._store.batch_is_exist([self._object(k) for k in keys])
+        for code in found:
+            self._seen(code)
+        return [code == 1 for code in found]
+
     def keys(self) -> set[str]:
         """The keys this backend put that the store still holds: none while the store
         cannot be reached (nothing can be read from it then)."""
@@ -306,6 +318,8 @@ class MooncakeStorage(StorageBackend):
             return set()
         written = sorted(self._written)
         found = self._store.batch_is_exist([self._object(k) for k in written])
+        for code in found:
+            self._seen(code)
         return {k for k, present in zip(written, found, strict=True) if present == 1}
 
     def close(self) -> None:
