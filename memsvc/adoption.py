@@ -24,11 +24,15 @@ session, as :class:`Record`\\ s:
   entry is kept if it holds exactly the committed positions, anything else is
   freed (its tokens counted in ``freed_tokens``: the successor recomputes them).
 
-Records are bounded per session (:data:`MAX_RECORDS`, :data:`MAX_RECORD_BYTES`).
+Records are bounded per session (:data:`MAX_RECORDS`, :data:`MAX_RECORD_BYTES`). A
+session whose lease runs out while it holds records is not reclaimed at once: it
+is kept, answering only ``adopt`` and ``goodbye``, for :data:`ADOPTION_WINDOW_S`
+(a restart may take longer than the lease), then reclaimed as any.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +42,15 @@ from memsvc import protocol as p
 from memsvc.core.allocator import SLOT_DTYPE
 from memsvc.core.errors import InvalidArgumentError, MemsvcError
 
+log = logging.getLogger("memsvc")
+
 if TYPE_CHECKING:
     from memsvc.handlers import MemService
     from memsvc.sessions import Session
 
+# A scheduler session whose lease runs out while it holds records is kept this long
+# for a successor to adopt (its restart may take longer than the lease), then reclaimed.
+ADOPTION_WINDOW_S = 60.0
 # Per session: a scheduler records each live request once (max_running_requests plus
 # its waiting queue); the bytes bound the prompts and outputs they carry.
 MAX_RECORDS = 16384
@@ -90,9 +99,15 @@ class Journal:
 class Journals:
     """Every session's :class:`Journal`, by session id."""
 
-    def __init__(self, max_records: int = MAX_RECORDS, max_bytes: int = MAX_RECORD_BYTES) -> None:
+    def __init__(
+        self,
+        max_records: int = MAX_RECORDS,
+        max_bytes: int = MAX_RECORD_BYTES,
+        window_s: float = ADOPTION_WINDOW_S,
+    ) -> None:
         self.max_records = max_records
         self.max_bytes = max_bytes
+        self.window_s = window_s
         self._by_session: dict[str, Journal] = {}
 
     def of(self, sid: str) -> Journal:
@@ -108,6 +123,27 @@ class Journals:
         journal = self._by_session.pop(old, None) or Journal()
         self._by_session[new] = journal
         return journal
+
+
+def keep_for_adoption(service: MemService, session: Session, now: float) -> bool:
+    """Whether ``session``, whose lease ran out, is kept (orphaned) for a successor to
+    adopt instead of being reclaimed now: it holds records, and its adoption window
+    (``window_s`` from the expiry) is still open. An orphaned session answers nothing
+    but ``adopt`` (by its successor) and ``goodbye``."""
+    journal = service.journals.get(session.sid)
+    if journal is None or not journal.records:
+        return False
+    if session.orphaned_at is None:
+        session.orphaned_at = now
+        log.warning(
+            "session %s (%s %s) expired with %d request records: kept %.0fs for adoption",
+            session.sid,
+            session.role,
+            session.name,
+            len(journal.records),
+            service.journals.window_s,
+        )
+    return now - session.orphaned_at < service.journals.window_s
 
 
 # -- commit ----------------------------------------------------------------------

@@ -121,7 +121,7 @@ class MemService(BatchHandlers, PdHandlers):
             if op == "hello":
                 reply = self._pack_ok(op_id, *self._hello(msg, now))
             else:
-                session = self.sessions.touch(msg.session, now)
+                session = self.sessions.touch(msg.session, now, op)
                 mutating = op in p.MUTATING_OPS
                 if mutating:
                     cached = self.sessions.cached_reply(session, op_id, frames)
@@ -221,6 +221,7 @@ class MemService(BatchHandlers, PdHandlers):
         """Reclaim every session whose lease ran out; returns their ids."""
         now = time.monotonic() if now is None else now
         expired = self.sessions.expired(now)
+        expired = [s for s in expired if not adoption.keep_for_adoption(self, s, now)]
         for session in expired:
             reclaimed = self.reclaim(session)
             log.warning(

@@ -68,6 +68,9 @@ class Session:
         default_factory=lambda: ReplyCache(REPLY_CACHE_SIZE, REPLY_CACHE_BYTES)
     )
     checked_rows: tuple[bytes, int] | None = None  # last row batch that passed, and when
+    # Its lease ran out while it held records a successor may adopt (memsvc.adoption):
+    # kept until then, for ``adopt`` and ``goodbye`` alone.
+    orphaned_at: float | None = None
 
     def expired(self, now: float) -> bool:
         return now - self.last_seen > self.lease_s
@@ -94,9 +97,11 @@ class SessionTable:
         self._sessions[session.sid] = session
         return session
 
-    def touch(self, sid: str | None, now: float) -> Session:
-        """The live session ``sid``, its lease renewed."""
+    def touch(self, sid: str | None, now: float, op: str = "") -> Session:
+        """The live session ``sid``, its lease renewed (an orphaned one only says goodbye)."""
         session = self._sessions.get(sid) if sid else None
+        if session is not None and session.orphaned_at is not None and op != "goodbye":
+            session = None
         if session is None:
             raise UnknownSessionError(
                 f"unknown session {sid!r}: say hello first (it may have expired, "
@@ -114,6 +119,10 @@ class SessionTable:
 
     def expired(self, now: float) -> list[Session]:
         return [s for s in self._sessions.values() if s.expired(now)]
+
+    def live(self) -> list[Session]:
+        """The sessions that are not orphaned."""
+        return [s for s in self._sessions.values() if s.orphaned_at is None]
 
     def find(self, sid: str) -> Session | None:
         """The live session ``sid`` (its lease not renewed), or None."""

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from memsvc.client import Call, MemClient
+from memsvc.core.errors import MemsvcError
 from tests.faults.harness import FaultHarness, temp_workdir
 from tests.faults.test_faults import check
 
@@ -85,3 +87,31 @@ def test_model_svc_killed_mid_decode_replays_the_step_without_reprefill(
     assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
     assert delta["requeued_reqs"] == 0 and delta["memsvc_resets"] == 0, delta
     assert delta["reprefilled_tokens"] == 0, delta
+
+
+def test_another_session_cannot_adopt_the_live_scheduler(harness: FaultHarness) -> None:
+    """Over memsvc's socket: a client with a wrong id, or with the scheduler's real id but
+    not a scheduler_svc session (another name or role), is refused with adopt_refused;
+    the scheduler keeps its session and serves on (a killed-scheduler scenario after)."""
+    session = (harness.workdir / "run" / "scheduler_svc.session").read_text().strip()
+    address = harness.supervisor.address("memsvc")
+    refused = []
+    for options, predecessor in [
+        ({"name": "scheduler_svc"}, "0123456789abcdef"),
+        ({"name": "intruder"}, session),
+        ({"name": "scheduler_svc", "role": "worker"}, session),
+    ]:
+        with MemClient(address, timeout_s=5, heartbeat=False, **options) as intruder:
+            with pytest.raises(MemsvcError) as caught:
+                intruder._invoke(Call("adopt", {"predecessor": predecessor}, None, _header))
+            refused.append(caught.value.code)
+            assert intruder.stats()["sessions"] >= 2  # the scheduler's is still there
+    assert refused == ["adopt_refused"] * 3
+    assert (harness.workdir / "run" / "scheduler_svc.session").read_text().strip() == session
+    result = harness.run(harness.scenario(4, "kill_scheduler_svc", trigger=80))
+    check(result, "sigkill_scheduler_svc")
+    assert harness.info()["recovery"]["reprefilled_tokens"] == 0
+
+
+def _header(header, arrays):
+    return header

@@ -235,3 +235,36 @@ def test_goodbye_and_expiry_drop_the_records(service) -> None:
 
 def test_protocol_names_the_new_ops() -> None:
     assert {"commit", "adopt"} <= p.MUTATING_OPS
+
+
+def test_an_expired_scheduler_session_with_records_is_kept_for_adoption(service) -> None:
+    """Its restart may take longer than the lease: kept (answering only adopt and goodbye)
+    for the adoption window, then reclaimed."""
+    old = hello(service)
+    decoding(old, "a", 6, [11, 12])
+    worker = hello(service, role="worker")
+    later = 11.0  # past both leases (10 s)
+    assert service.expire_sessions(now=later) == [worker.session]  # no records: reclaimed
+    assert service.sessions.find(old.session).orphaned_at == later
+    old.now = later
+    assert old.call("heartbeat")["code"] == "unknown_session"
+    assert service.pool.is_open("a")
+    new = hello(service)
+    new.now = later
+    assert new.ok("adopt", predecessor=old.session)["records"][0]["kv"] == "row"
+    new.ok("goodbye")
+    service.pool.check_integrity(idle=True)
+
+
+def test_an_orphaned_session_is_reclaimed_after_the_window_or_on_goodbye(service) -> None:
+    first, second = hello(service), hello(service)
+    decoding(first, "a", 6, [11, 12])
+    decoding(second, "b", 5, [7])
+    assert service.expire_sessions(now=11.0) == []
+    second.now = 12.0
+    assert second.ok("goodbye")["reclaimed"] == ["b"]  # the stalled scheduler's recovery
+    window = service.journals.window_s
+    assert service.expire_sessions(now=11.0 + window - 1) == []
+    assert service.expire_sessions(now=11.0 + window) == [first.session]
+    assert len(service.sessions) == 0 and service.journals.get(first.session) is None
+    service.pool.check_integrity(idle=True)
