@@ -41,15 +41,13 @@ selfcheck: $(STAMP)
 
 # Test files are spread over PYTEST_WORKERS processes, each file's tests kept in one
 # (their module fixtures start a stack once); the suite waits on processes as much as
-# it computes, so two workers suit CI's two cores. --no-loadscope-reorder: files go out
-# in collection order, where tests/conftest.py puts the slowest first (xdist's default
-# order, most tests first, left the slow few-test files for the end, one worker idle).
+# it computes, so two workers suit CI's two cores.
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

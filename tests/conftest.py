@@ -35,38 +35,6 @@ from tests.smollm2 import (  # noqa: F401
 )
 
 
-# The files that take longest, slowest first (seconds each took alone at the last
-# measure, one worker, a quiet 2-core machine). `make test` spreads whole files over
-# its workers in collection order (--dist loadfile --no-loadscope-reorder): run first,
-# they overlap the many short files; collected last (as xdist's default order, by test
-# count, put these few-test files), one of them ran alone at the end while the other
-# worker idled. A new test file that takes over ~15 s belongs in this list.
-SLOWEST_FIRST = (
-    "tests/demo/test_demo.py",
-    "tests/test_bench_hicache.py",
-    "tests/model/test_smollm2_stack.py",
-    "tests/pd/test_pd_mode.py",
-    "tests/supervisor/test_supervisor.py",
-    "tests/faults/test_faults.py",
-    "tests/model/test_smollm2.py",
-    "tests/model/test_swa_stack.py",
-    "tests/model/test_swa_pd_stack.py",
-    "tests/pd/test_pd_curve.py",
-    "tests/pd/test_pd_listeners.py",
-    "tests/test_bench_swa.py",
-    "tests/supervisor/test_up_curve.py",
-    "tests/http/test_serve_curve.py",
-    "tests/scheduler/test_fits_alone_property.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files of :data:`SLOWEST_FIRST` first, in its order; each file's tests, and
-    the other files, keep their order (a stable sort on the file alone)."""
-    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The SmolLM2 home and answers shared by the run's workers go with the run."""
     factory = getattr(session.config, "_tmp_path_factory", None)
