@@ -14,11 +14,8 @@ requests share a node only if their namespaces are equal. The tree is a forest
 under one root: the root files a child under its first page's token ids, a
 child of another namespace than the default under the namespace's digest and
 that first page (so the default namespace's keys, and cost, are unchanged);
-every node below inherits its parent's namespace. The device tokens of each
-non-default namespace are counted as nodes come and go (:meth:`namespace_tokens`);
-with a cap (:meth:`set_namespace_cap`, ``--max-cached-tokens-per-salt``) a
-namespace over it after an insert evicts its own least recently used unlocked
-leaves (never another namespace's) from a heap of its own.
+every node below inherits its parent's namespace. Counting, flushing and capping
+each namespace's device tokens is :mod:`memsvc.core.radix_namespaces`'.
 
 Ownership: ``insert`` takes the slots of the new part of the key and never
 frees; the caller frees its duplicates of the part already cached. Only
@@ -42,7 +39,8 @@ from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 from memsvc.core.radix_check import TreeChecks
-from memsvc.namespace import DEFAULT_NAMESPACE, is_namespace
+from memsvc.core.radix_namespaces import NamespaceCounts, check_namespace
+from memsvc.namespace import DEFAULT_NAMESPACE
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -74,15 +72,6 @@ class CachedPrefix:
     last_node: TreeNode  # the node the request now holds locked
 
 
-def check_namespace(namespace: object) -> str:
-    """``namespace`` if it is one (``""`` or 32 lowercase hex digits), else raise."""
-    if namespace != DEFAULT_NAMESPACE and not is_namespace(namespace):
-        raise InvalidArgumentError(
-            f"bad cache namespace {namespace!r}: '' or 32 lowercase hex digits"
-        )
-    return namespace  # type: ignore[return-value]
-
-
 def _as_int_array(values: object, what: str) -> np.ndarray:
     try:
         array = np.asarray(values)
@@ -95,7 +84,7 @@ def _as_int_array(values: object, what: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-class RadixCache(TreeChecks, PrefixCache):
+class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
     """Prefix tree of token ids over a ``PageAllocator``'s slots. Synchronous, no I/O."""
 
     def __init__(self, allocator: PageAllocator, *, disabled: bool = False) -> None:
@@ -110,10 +99,7 @@ class RadixCache(TreeChecks, PrefixCache):
         self.root = self._new_node(_EMPTY, _EMPTY, None)
         self.root.lock_ref = 1  # the root is never evicted nor counted
         self._free_leaves = EvictionHeap(lru_rank, self._is_free_leaf)
-        # Device tokens per non-default namespace (none listed at 0), and the cap.
-        self._ns_tokens: dict[str, int] = {}
-        self.namespace_cap = 0
-        self._ns_leaves: dict[str, EvictionHeap] = {}  # with a cap: each namespace's leaves
+        self._init_namespaces()
 
     # -- sizes -----------------------------------------------------------------
 
@@ -125,27 +111,6 @@ class RadixCache(TreeChecks, PrefixCache):
 
     def total_size(self) -> int:
         return self._num_evictable_tokens + self._num_protected_tokens
-
-    def namespace_tokens(self) -> dict[str, int]:
-        """Device tokens per namespace that holds any (the default one included). Changes
-        nothing; costs a dict copy, never a walk."""
-        out = dict(self._ns_tokens)
-        default = self.total_size() - sum(out.values())
-        if default:
-            out[DEFAULT_NAMESPACE] = default
-        return out
-
-    def set_namespace_cap(self, max_tokens: int) -> None:
-        """Cap every non-default namespace's device tokens at ``max_tokens`` (0: no cap),
-        enforced after each insert; applies from now on."""
-        if max_tokens < 0:
-            raise InvalidArgumentError(f"namespace cap must be >= 0, got {max_tokens}")
-        self.namespace_cap = max_tokens
-        self._ns_leaves = {}
-        if max_tokens:
-            for node in self.iter_nodes():
-                if node.namespace:
-                    self._push_namespace_leaf(node)
 
     # -- lookup and insert ----------------------------------------------------
 
@@ -164,9 +129,7 @@ class RadixCache(TreeChecks, PrefixCache):
         match = self.match_prefix(token_ids, namespace)
         return CacheHit(match.slots, match.last_node, int(match.slots.size), 0, 0, [])
 
-    def insert(
-        self, token_ids: object, slots: object, namespace: str = DEFAULT_NAMESPACE
-    ) -> int:
+    def insert(self, token_ids: object, slots: object, namespace: str = DEFAULT_NAMESPACE) -> int:
         """Insert the page-aligned part of the key; return how many tokens were already cached.
 
         The tree takes ownership of ``slots[prefix_len:K]``; the caller still owns
@@ -218,25 +181,6 @@ class RadixCache(TreeChecks, PrefixCache):
         if namespace is not None:
             return self.evict_namespace(check_namespace(namespace), self.total_size())
         return self.evict(self.evictable_size())
-
-    def evict_namespace(self, namespace: str, num_tokens: int) -> int:
-        """:meth:`evict` of ``namespace``'s unlocked leaves alone, LRU first."""
-        if num_tokens < 0:
-            raise InvalidArgumentError(f"cannot evict {num_tokens} tokens")
-        heap = self._ns_leaves.get(namespace) if namespace and self.namespace_cap else None
-        if heap is None:  # no cap heap (or the default namespace): one from its nodes
-            heap = EvictionHeap(lru_rank, self._is_device_candidate)
-            for node in self.namespace_nodes(namespace):
-                heap.push(node)
-        return self._evict_from(heap, num_tokens) if num_tokens else 0
-
-    def namespace_nodes(self, namespace: str) -> Iterator[TreeNode]:
-        """Every node of ``namespace``, parents first. Changes nothing."""
-        stack = [n for n in self.root.children.values() if n.namespace == namespace]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed.
@@ -404,39 +348,6 @@ class RadixCache(TreeChecks, PrefixCache):
         if node.namespace and node.parent is self.root:
             return node.namespace.encode() + page
         return page
-
-    # -- namespaces ---------------------------------------------------------------
-
-    def _count_namespace(self, namespace: str, delta: int) -> None:
-        """A non-default namespace's device tokens changed by ``delta``."""
-        count = self._ns_tokens.get(namespace, 0) + delta
-        if count:
-            self._ns_tokens[namespace] = count
-        else:  # nothing of it on the device: no leaf of it to evict either
-            del self._ns_tokens[namespace]
-            self._ns_leaves.pop(namespace, None)
-
-    def _push_namespace_leaf(self, node: TreeNode) -> None:
-        """With a cap: record a device leaf in its namespace's heap (made on its first)."""
-        heap = self._ns_leaves.get(node.namespace)
-        if heap is None:
-            if not self._is_device_candidate(node):
-                return
-            heap = EvictionHeap(lru_rank, self._is_device_candidate)
-            self._ns_leaves[node.namespace] = heap
-        heap.push(node)
-
-    def _is_device_candidate(self, node: TreeNode) -> bool:
-        """What :meth:`evict` may take (a subclass's device leaves)."""
-        return self._is_free_leaf(node)
-
-    def _enforce_cap(self, namespace: str) -> None:
-        """``namespace`` over the cap evicts its own LRU unlocked leaves down to it."""
-        cap = self.namespace_cap
-        if cap and namespace:
-            over = self._ns_tokens.get(namespace, 0) - cap
-            if over > 0:
-                self.evict_namespace(namespace, over)
 
     def _as_key(self, token_ids: object) -> np.ndarray:
         token_ids = _as_int_array(token_ids, "token_ids")

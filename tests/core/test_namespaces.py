@@ -213,16 +213,15 @@ def test_the_storage_tier_is_never_shared_and_each_chain_starts_from_its_seed(tm
     finish(pool)
 
 
-def test_retract_into_the_tree_stays_in_the_victims_namespace():
-    pool = make_pool("hicache")
+@pytest.mark.parametrize("kind", ["hicache", "swa_hicache"])
+def test_retract_into_the_tree_stays_in_the_victims_namespace(kind):
+    pool = make_pool(kind)
     tokens = seq(8, pages=5, tail=0)
     rows = []
     for rid, ns in (("keep", B), ("victim", A)):
         rows.append(pool.open_request(rid, ns))
         pool.alloc_extend([(rid, 20)])
-    result = pool.retract(
-        rows, offload=False, retract_decode_steps=1, to_tree={rows[1]: tokens}
-    )
+    result = pool.retract(rows, offload=False, retract_decode_steps=1, to_tree={rows[1]: tokens})
     assert result.to_tree == ["victim"]
     pool.release("keep", is_insert=False)
     pool.evict(pool.evictable_size())  # the victim's KV is on the host tier alone

@@ -142,9 +142,7 @@ def test_stats_and_metrics_list_namespaces_by_label(service) -> None:
     assert stats["default"]["cached_tokens"] == 12
     text = prometheus.generate_latest(registry).decode()
     assert f'memsvc_namespace_cached_tokens{{namespace="{label}"}} 12.0' in text
-    assert (
-        f'memsvc_namespace_hit_tokens_total{{namespace="{label}",tier="device"}} 12.0' in text
-    )
+    assert f'memsvc_namespace_hit_tokens_total{{namespace="{label}",tier="device"}} 12.0' in text
     assert A not in text  # a label is a prefix of the digest, never the whole
     idle(c)
 
