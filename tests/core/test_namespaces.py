@@ -479,6 +479,10 @@ class HiNamespaceMachine(NamespaceMachine):
     kind = "hicache"
 
 
+class SWANamespaceMachine(NamespaceMachine):
+    kind = "swa"  # no SWA eviction here: nothing is tombstoned, matches are the model's
+
+
 _settings = settings(
     max_examples=25, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -487,3 +491,5 @@ TestNamespaceModel = NamespaceMachine.TestCase
 TestNamespaceModel.settings = _settings
 TestHiNamespaceModel = HiNamespaceMachine.TestCase
 TestHiNamespaceModel.settings = _settings
+TestSWANamespaceModel = SWANamespaceMachine.TestCase
+TestSWANamespaceModel.settings = _settings
