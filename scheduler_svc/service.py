@@ -362,6 +362,9 @@ class SchedulerService:
         """Each adopted request gets a detached waiter: its client re-submits to attach."""
         now = time.monotonic()
         self.reattach = Reattach(adopted)
+        for req in [*self.engine.reqs.values(), *adopted.parked.values()]:
+            if req.sampling_params.stop:  # the records keep the strings, not the decoder
+                req.stop_decoder = self._stop_decoder
         for rid, owner in adopted.owners.items():
             self._waiters[rid] = Waiter(
                 None, 0, owner.stream, now, fingerprint=owner.fingerprint, client=owner.client

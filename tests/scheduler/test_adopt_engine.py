@@ -218,3 +218,39 @@ def test_unclaimed_adopted_requests_end_with_an_error(service, tmp_path) -> None
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())
+
+
+def test_adopted_requests_keep_their_sampling_and_stop_strings(service, tmp_path) -> None:
+    async def scenario() -> None:
+        first = await Node(service, tmp_path / "session").start(stall_at=3)
+        params = SamplingParams(
+            max_new_tokens=MAX_NEW,
+            ignore_eos=True,
+            stop=("never-generated",),
+            stop_token_ids=frozenset({9999}),
+            draw={"temperature": 0.0, "seed": 7},
+        )
+        first.engine.submit(Req("s0", PROMPTS["r3"], params, priority=2, namespace="a" * 32))
+        await first.die_in_step()
+        second = await Node(service, tmp_path / "session").start()
+        front = SchedulerService(
+            second.engine,
+            "ipc:///nonexistent",
+            tokenizer=ByteTokenizer(),
+            capacity=256,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+            recovery=second.recovery,
+        )
+        req = second.engine.reqs["s0"]
+        assert req.sampling_params == params
+        assert (req.priority, req.namespace) == (2, "a" * 32)
+        assert req.stop_decoder == front._stop_decoder
+        await second.run()
+        assert req.state is ReqState.FINISHED  # (the service's _emit took the result)
+        assert req.output_ids == expected_output(PROMPTS["r3"], MAX_NEW)
+        await goodbye(second)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
