@@ -40,6 +40,8 @@ def other_shape(tmp_path_factory) -> Path:
 
 
 def test_layout_args_are_the_checkpoints(other_shape):
+    from kvstack.model.digest import model_digest
+
     path = other_shape
     assert pool_layout_args(path) == [
         "--num-layers",
@@ -48,6 +50,8 @@ def test_layout_args_are_the_checkpoints(other_shape):
         "3",
         "--head-dim",
         "32",
+        "--model-digest",  # the KV's model identity (issue 30)
+        model_digest(path),
     ]
     # a flag that agrees is fine, in either spelling
     assert pool_layout_args(path, ["--num-layers=3", "--head-dim", "32"]) == pool_layout_args(path)
