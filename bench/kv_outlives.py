@@ -118,7 +118,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     options = StackOptions(
         checkpoint=str(checkpoint),
         memsvc_args=pool_args(args.requests, args.prompt_len, args.max_new),
-        scheduler_args=["--memsvc-lease", "30", "--recovery-timeout", "300"],
+        # a 16k-token prefill batch on two busy CPU cores may take minutes
+        scheduler_args=["--worker-timeout", "900", "--recovery-timeout", "900"],
         log_level="WARNING",
     )
     policy = RestartPolicy(initial_s=0.2, max_s=3.0, stable_s=5.0, ready_timeout_s=300.0)
