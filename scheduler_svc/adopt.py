@@ -60,6 +60,11 @@ ADOPT_EXPIRED_MESSAGE = (
 ADOPT_EXPIRED_STATUS = 503
 
 
+# memsvc refusing a commit itself (bounds, an inconsistency): the journal stops, the step
+# does not fail.
+JOURNAL_REFUSALS = frozenset({"invalid_argument", "record_limit"})
+
+
 class Owner(NamedTuple):
     """Who submitted a request, as the service knows it (a re-submission must match)."""
 
@@ -138,6 +143,7 @@ class Journal:
     owner_of: Callable[[str], Owner | None]
     committed: dict[str, _Committed] = field(default_factory=dict)
     measure: bool = False  # count the bytes each commit sends (packs it once more)
+    disabled: str | None = None  # why memsvc refused a commit: nothing is committed since
     calls: int = 0
     bytes_sent: int = 0
     seconds: float = 0.0
@@ -189,12 +195,23 @@ class Journal:
 
     async def commit(self, engine: EngineBase) -> None:
         """Send what changed since the last commit (nothing: no round trip)."""
+        if self.disabled is not None:
+            return
         fields, arrays, applied = self._changes(engine)
         if len(fields) == 1:  # the ratio alone: it goes with the next real change
             return
         started = time.perf_counter()
         call = Call("commit", fields, arrays or None, lambda header, arrays: header)
-        await engine.mem._invoke(call)
+        try:
+            await engine.mem._invoke(call)
+        except MemsvcError as exc:
+            if getattr(exc, "code", "") not in JOURNAL_REFUSALS:
+                raise  # memsvc or the session failed: the recovery's business
+            # Serving goes on; a restart then adopts what was committed before (still
+            # consistent: an older committed point) and re-prefills the rest.
+            self.disabled = f"{exc.code}: {exc}"
+            log.error("adoption journal off: memsvc refused a commit (%s)", self.disabled)
+            return
         self.seconds += time.perf_counter() - started
         self.calls += 1
         if self.measure:
@@ -205,6 +222,7 @@ class Journal:
 
     def stats(self) -> dict[str, Any]:
         return {
+            "disabled": self.disabled,
             "commit_calls": self.calls,
             "commit_bytes": self.bytes_sent,
             "commit_s": self.seconds,

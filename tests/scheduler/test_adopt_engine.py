@@ -254,3 +254,19 @@ def test_adopted_requests_keep_their_sampling_and_stop_strings(service, tmp_path
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())
+
+
+def test_a_refused_commit_turns_the_journal_off_and_serving_goes_on(service, tmp_path) -> None:
+    """memsvc's record bound reached: no step fails, every request finishes exactly."""
+
+    async def scenario() -> None:
+        service.journals.max_records = 2
+        node = await Node(service, tmp_path / "session").start()
+        node.submit_all()
+        await node.run()
+        assert_exact(node.done)
+        assert "record_limit" in node.engine.journal.disabled
+        await goodbye(node)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
