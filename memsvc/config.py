@@ -234,6 +234,8 @@ class MemsvcConfig:
         identity = self.identity  # a bad --model-digest is refused here
         if self.hicache is not None and self.hicache.storage_keep:
             identity.require_model("--hicache-storage-keep")
+        if self.hicache is not None and self.hicache.storage_backend == "mooncake":
+            identity.require_model("--hicache-storage-backend mooncake (a shared tier)")
         # The storage tier's subdirectory is named after the PD role.
         role = "normal" if self.pd_role == "none" else self.pd_role
         if self.hicache is not None and self.hicache.storage_role != role:

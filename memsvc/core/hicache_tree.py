@@ -32,7 +32,7 @@ from memsvc.core.hicache_cost import LoadCostModel
 from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
-from memsvc.core.storage.kept import KeptPages
+from memsvc.core.storage.kept import KeptPages, shared_run
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -187,12 +187,21 @@ class TieredTree(RadixCache):
         """Continue a match that ran out of tree through the kept pages
         (:mod:`memsvc.core.storage.kept`): the run of ``key``'s next whole pages whose keys
         are kept becomes a storage-only node under the path's last node (the walk left no
-        child there for the next page). ``seed``: the chain's seed at the root."""
-        if not len(self.kept):
+        child there for the next page). ``seed``: the chain's seed at the root. A shared
+        tier (mooncake) is asked instead, once: the pages other nodes wrote
+        (:func:`~memsvc.core.storage.kept.shared_run`), room made for them here."""
+        shared = self.storage is not None and self.storage.shared
+        if not len(self.kept) and not shared:
             return
         last = path[-1] if path else self.root
         prev = self._hashes(last)[-1] if path else seed
-        keys = self.kept.run(prev, key[matched:], self.page_size)
+        if shared:
+            cap = self.storage_capacity_pages
+            keys = shared_run(self.storage, prev, key[matched:], self.page_size, cap)
+            if keys and not self._storage_reserve(len(keys), {id(n) for n in path}):
+                return
+        else:
+            keys = self.kept.run(prev, key[matched:], self.page_size)
         if not keys:
             return
         self.kept.take(keys)
@@ -237,6 +246,10 @@ class TieredTree(RadixCache):
         self.stats.backup_bytes += num_pages * self.page_bytes
         self.stats.backup_tokens += len(node.key)
         self.stats.backups += 1
+        if self.storage is not None and self.storage.shared and not node.on_disk:
+            # SGLang's write-through to storage: other nodes find the pages there now,
+            # not once this node's host tier overflows
+            self._store_copy(node, protect | {id(node)})
         return True
 
     def _host_alloc(self, num_pages: int, protect: set[int]) -> np.ndarray | None:
@@ -291,8 +304,15 @@ class TieredTree(RadixCache):
 
     def _demote(self, node: TreeNode, protect: set[int]) -> bool:
         """Write a node's host pages to storage and free them."""
+        if not self._store_copy(node, protect | {id(node)}):
+            return False
+        self._free_host(node)
+        return True
+
+    def _store_copy(self, node: TreeNode, protect: set[int]) -> bool:
+        """Write a node's host pages to storage (they stay on the host)."""
         num_pages = len(node.key) // self.page_size
-        if not self._storage_reserve(num_pages, protect | {id(node)}):
+        if not self._storage_reserve(num_pages, protect):
             return False
         keys = list(self._hashes(node))
         self.kept.take(keys)  # a kept copy of the same page is rewritten: ours now
@@ -301,7 +321,6 @@ class TieredTree(RadixCache):
         node.on_disk = True
         self._touch(node)
         self.stats.storage_write_bytes += num_pages * self.page_bytes
-        self._free_host(node)
         return True
 
     # -- the storage tier ----------------------------------------------------------
@@ -511,8 +530,12 @@ class TieredTree(RadixCache):
         self.settle()
         if self.reap_failed_writes():
             self.settle()  # the deletes it issued
-        stored = self.storage.keys()
         indexed = self._storage_keys | self.kept.keys()
+        if self.storage.shared:  # other nodes' pages are no strays; ours must be there
+            listed = sorted(indexed)
+            stored = {k for k, held in zip(listed, self.storage.exists(listed)) if held}
+        else:
+            stored = self.storage.keys()
         if stored != indexed:
             raise IntegrityError(
                 f"storage tier: {len(stored - indexed)} stray pages, "

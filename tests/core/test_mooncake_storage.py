@@ -102,8 +102,9 @@ def test_extra_config_flag_reaches_the_hicache_config():
 def test_a_page_written_by_one_client_is_read_by_another(mooncake_config):
     """One store, two clients (two nodes): a page is stored once, under a name that says
     what it is; the record is verified wherever it is read."""
-    a, b = open_backend(mooncake_config), open_backend(mooncake_config)
+    # the pages live in other's segment (a and b lend none): a's close cannot take them
     other = open_backend({**mooncake_config, "extra_backend_tag": "another-model"})
+    a, b = (open_backend({**mooncake_config, "global_segment_size": 0}) for _ in "ab")
     try:
         key, key2 = "ab" * 16, "cd" * 16
         out = np.empty_like(page(0))
@@ -112,10 +113,10 @@ def test_a_page_written_by_one_client_is_read_by_another(mooncake_config):
         assert b.get(key, out) is None
         np.testing.assert_array_equal(out, page(1))
         assert other.get(key, out) == "missing"  # another tag: another name
-        a.put(key, page(2))  # replaces
-        assert b.get(key, out) is None
-        np.testing.assert_array_equal(out, page(2))
-        assert a.keys() == {key} and b.keys() == set()  # each lists what it wrote
+        b.put(key, page(2))  # stored once: the first node's record stays
+        assert a.get(key, out) is None
+        np.testing.assert_array_equal(out, page(1))
+        assert a.keys() == {key} and b.keys() == {key}  # each lists what it wrote
         assert b.exists([key, key2]) == [True, False]  # but finds what another wrote
         assert other.exists([key]) == [False]
         with pytest.raises(ValueError, match="a page is"):
@@ -133,23 +134,26 @@ def test_a_page_written_by_one_client_is_read_by_another(mooncake_config):
             (record + b"x", "unreadable"),  # longer than a record
         ]:
             assert store.upsert(name, damaged) == 0
-            assert b.get(key, out) is not None
-            assert b.get(key, out).startswith(why), b.get(key, out)
+            found = b.get(key, out)
+            assert found is not None and found.startswith(why), found
+            assert a.exists([key]) == [False]  # removed: nobody can use it
         a.put(key2, page(3))
         assert store.upsert(name, store.get(a.prefix + key2)) == 0  # another key's page
         assert b.get(key, out) == "checksum mismatch"
+        a.put(key, page(4))  # stored again after the damaged record went
+        assert b.get(key, out) is None
+        np.testing.assert_array_equal(out, page(4))
 
-        a.delete(key)
-        a.delete(key)  # a missing key is not an error
-        assert b.get(key, out) == "missing" and a.keys() == {key2}
+        a.delete(key2)  # a's tree dropped it: a forgets it, the page stays for b
+        a.delete(key2)  # a missing key is not an error
+        assert a.keys() == {key} and b.exists([key2]) == [True]
+        assert b.get(key2, out) is None
+        a.close()  # close leaves the pages too: b still reads them
+        assert b.exists([key, key2]) == [True, True]
+        assert b.get(key2, out) is None
     finally:
         for backend in (a, b, other):
             backend.close()
-    probe = open_backend(mooncake_config)
-    try:
-        assert probe.get(key2, out) == "missing"  # close removed what a wrote
-    finally:
-        probe.close()
 
 
 def test_pool_round_trip_through_mooncake(tmp_path, mooncake_config):

@@ -46,6 +46,14 @@ class StorageBackend(ABC):
 
     name: str
     page_bytes: int
+    # Other nodes read and write the same pages (mooncake): a match that runs out of
+    # tree asks the store for the next pages' keys (``exists``), and a node's delete or
+    # close only forgets its own index, never removes what others may be using.
+    shared: bool = False
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Whether the store holds a record under each key (a shared backend's)."""
+        raise NotImplementedError(f"{self.name} is not a shared tier")
 
     @property
     def record_bytes(self) -> int:

@@ -9,13 +9,24 @@ storage-only node (it leaves this index then). A kept page of another model,
 dtype, layout, page size or namespace has another key: it is never looked up,
 and goes, oldest first, when the tier needs room. A page found is still
 verified when it is read (its checksum covers its key and its bytes).
+
+A shared tier (``StorageBackend.shared``: Mooncake Store, every node on one master)
+is found the same way, its index being the store itself: :func:`shared_run` asks it
+for the next pages' keys in one round trip (``exists``), and the run up to the first
+miss is adopted alike. So node B finds what node A wrote, under A's own keys: equal
+tokens, model, dtype, layout, page size and namespace, equal chain.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from memsvc.core.hicache_tiers import page_hash_chain
+
+if TYPE_CHECKING:
+    from memsvc.core.storage.base import StorageBackend
 
 
 class KeptPages:
@@ -65,3 +76,20 @@ class KeptPages:
         out = list(self._keys)
         self._keys.clear()
         return out
+
+
+def shared_run(
+    storage: StorageBackend, prev: str, tokens: np.ndarray, page_size: int, limit: int
+) -> list[str]:
+    """The keys of ``tokens``' first whole pages (at most ``limit``) after the key
+    ``prev`` that the shared ``storage`` holds, up to the first it does not: one
+    ``exists`` round trip; ``[]`` without one when not a whole page is left."""
+    num_pages = min(len(tokens) // page_size, limit)
+    if num_pages <= 0:
+        return []
+    keys = page_hash_chain(prev, tokens[: num_pages * page_size], page_size)
+    found = storage.exists(keys)
+    num = 0
+    while num < num_pages and found[num]:
+        num += 1
+    return keys[:num]

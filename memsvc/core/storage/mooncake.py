@@ -30,6 +30,18 @@ the memory this node lends the store), ``local_buffer_size`` and
 ``extra_backend_tag``. Needs the ``mooncake-transfer-engine-non-cuda`` wheel (the
 ``cluster`` extra) and the system's ``libibverbs.so.1`` even for TCP.
 
+Shared (:attr:`MooncakeStorage.shared`): another node's pages are found by their
+keys (:meth:`MooncakeStorage.exists`; the tree continues a match's hash chain through
+the store, :meth:`~memsvc.core.hicache_tree.TieredTree._adopt_kept`). A page is stored
+once: a put of a key the store already holds keeps the first record (Mooncake's
+create-only ``put_from``, no bytes move), and a record found damaged is removed so the
+next put stores it again. A node never removes a sound page: other nodes may be
+using it. Its ``delete`` (its tree dropped the page) and its ``close`` forget the
+page from this node's index only; the store's own eviction makes room (SGLang's
+mooncake backend never deletes either). A page lives in the segment of the node
+whose memory Mooncake placed it in, so a node that leaves takes those pages with it:
+misses for the others, who recompute.
+
 Bytes move through one registered staging record (calls come from memsvc's copy
 thread only). A master that cannot be reached makes a put raise ``OSError`` and a get
 a miss; for ``retry_after_s`` after that every call fails at once instead of waiting
@@ -207,8 +219,14 @@ def _check_master(address: str, timeout_s: float = 2.0) -> None:
         raise BackendUnavailableError(f"mooncake master {address} does not answer: {exc}") from exc
 
 
+# What ``get`` finds when the record under a key is not a sound page (not a miss, not
+# the master): the record is removed, so the next put of the key stores the page again.
+_DAMAGED = ("checksum mismatch", "not a sealed page", "unreadable (mooncake error -600")
+
+
 class MooncakeStorage(StorageBackend):
     name = "mooncake"
+    shared = True
 
     def __init__(self, config: MooncakeConfig, page_bytes: int, identity: str = "") -> None:
         try:
@@ -221,7 +239,7 @@ class MooncakeStorage(StorageBackend):
         self.config = config
         self.page_bytes = page_bytes
         self.prefix = key_prefix(config, identity, page_bytes)
-        self._written: set[str] = set()  # keys this backend put and did not delete
+        self._written: set[str] = set()  # keys this backend put and did not forget
         self._down_until = 0.0  # calls fail at once until then (the master was lost)
         self._staging = np.zeros(self.record_bytes, dtype=np.uint8)
         self._addr = self._staging.ctypes.data
@@ -270,7 +288,8 @@ class MooncakeStorage(StorageBackend):
         page_bytes = self.page_bytes
         self._staging[:page_bytes] = np.frombuffer(data, dtype=np.uint8)
         self._staging[page_bytes:] = np.frombuffer(trailer, dtype=np.uint8)
-        code = self._store.upsert_from(self._object(key), self._addr, self.record_bytes)
+        # create-only: a page another node stored first stays (it is the same page)
+        code = self._store.put_from(self._object(key), self._addr, self.record_bytes)
         self._seen(code)
         if code != 0:
             raise OSError(f"mooncake put of {key}: {_error(code)}")
@@ -287,17 +306,24 @@ class MooncakeStorage(StorageBackend):
         if size < 0:
             return f"unreadable ({_error(size)})"
         if size != self.record_bytes:
-            return f"{size} bytes, not {self.record_bytes}"
+            return f"{size} bytes, not {self.record_bytes} bytes"
         page_bytes = self.page_bytes
         np.frombuffer(data, dtype=np.uint8)[:] = self._staging[:page_bytes]
         trailer[:] = self._staging[page_bytes:].tobytes()
         return None
 
-    def delete(self, key: str) -> None:
-        self._written.discard(key)
-        if self._reachable() is None:
-            # force: a lease (any get grants one) must not keep a page the tree dropped
+    def get(self, key: str, out: np.ndarray) -> str | None:
+        why = super().get(key, out)
+        damaged = why is not None and (why.startswith(_DAMAGED) or why.endswith(" bytes"))
+        if damaged and self._reachable() is None:
+            # force: a lease (any get grants one) must not keep a page nobody can use
             self._seen(self._store.remove(self._object(key), True))
+        return why
+
+    def delete(self, key: str) -> None:
+        """Forget ``key`` (this node's tree dropped it); the page stays in the store for
+        the nodes that may use it, until Mooncake evicts it."""
+        self._written.discard(key)
 
     def exists(self, keys: list[str]) -> list[bool]:
         """Whether the store holds a record under each key, whoever wrote it (one round
@@ -323,11 +349,11 @@ class MooncakeStorage(StorageBackend):
         return {k for k, present in zip(written, found, strict=True) if present == 1}
 
     def close(self) -> None:
+        """Leave the store; the pages this node wrote stay for the other nodes (those
+        placed in this node's segment leave with it: Mooncake unmounts it)."""
         store, self._store = self._store, None
         if store is None:
             return
-        if self._written and time.monotonic() >= self._down_until:
-            store.batch_remove([self._object(k) for k in sorted(self._written)], True)
         self._written.clear()
         store.unregister_buffer(self._addr)
         store.close()
