@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -124,7 +126,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     policy = RestartPolicy(initial_s=0.2, max_s=3.0, stable_s=5.0, ready_timeout_s=300.0)
     supervisor = Supervisor(normal_stack(run_dir, options), run_dir, policy=policy)
-    with supervisor.running():
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, run_dir, ignore_errors=True)
+        cleanup.enter_context(supervisor.running())
         address = supervisor.address("scheduler_svc")
         reference = Run(prompts, args.max_new, "ref")
         started = time.monotonic()
