@@ -533,7 +533,8 @@ class TieredTree(RadixCache):
         indexed = self._storage_keys | self.kept.keys()
         if self.storage.shared:  # other nodes' pages are no strays; ours must be there
             listed = sorted(indexed)
-            stored = {k for k, held in zip(listed, self.storage.exists(listed)) if held}
+            found = self.storage.exists(listed)
+            stored = {k for k, held in zip(listed, found, strict=True) if held}
         else:
             stored = self.storage.keys()
         if stored != indexed:
