@@ -117,6 +117,7 @@ class HttpFront:
                 web.get("/model_info", admin.model_info),
                 web.get("/get_server_info", admin.server_info),
                 web.get("/server_info", admin.server_info),
+                web.get("/version", admin.version),
                 web.get("/flush_cache", admin.flush_cache),
                 web.post("/flush_cache", admin.flush_cache),
                 web.post("/abort_request", admin.abort_request),

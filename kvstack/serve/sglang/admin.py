@@ -118,6 +118,10 @@ class SGLangAdmin:
             }
         )
 
+    async def version(self, request: web.Request) -> web.Response:
+        """SGLang's ``/version`` (SMG asks it when it registers a worker)."""
+        return web.json_response({"version": _version()})
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         """SGLang's: the radix cache emptied if nothing runs or waits (200), else 400.
 

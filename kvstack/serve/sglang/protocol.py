@@ -156,6 +156,7 @@ def parse_generate(data: Any, max_requests: int = DEFAULT_MAX_BATCH_REQUESTS) ->
     """
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "the body must be a JSON object")
+    data = without_router_model(data)
     try:
         fields = check_default_only(data, GENERATE_DEFAULTS)
     except Unsupported as exc:
@@ -202,6 +203,19 @@ def parse_generate(data: Any, max_requests: int = DEFAULT_MAX_BATCH_REQUESTS) ->
         items += parallel_samples(one.check_prompt(), n)
     batch = size is not None or len(items) > 1
     return GenerateBatch(items, batch, bool(fields.get("stream", False)))
+
+
+def without_router_model(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without ``model``, which SGLang's router (SMG) adds to every ``/generate``
+    (``"unknown"`` when the client named none). ``GenerateReqInput`` has no such field and
+    SGLang's server ignores it, as it ignores every unknown key; kvstack refuses unknown
+    keys, so this one is taken (a string or null) and dropped."""
+    if "model" not in data:
+        return data
+    model = data["model"]
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "invalid_request", "model: must be a string")
+    return {k: v for k, v in data.items() if k != "model"}
 
 
 def _batch_size(fields: dict[str, Any]) -> int | None:
