@@ -154,6 +154,74 @@ class Service:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
+@dataclass
+class Starting:
+    """A service spawned by :func:`spawn_service`, not yet known to serve."""
+
+    name: str
+    proc: subprocess.Popen
+    address: str
+    ready: Path  # its ready file
+    log_path: Path
+    timeout: float
+    deadline: float  # time.monotonic() by which it must be ready
+
+    def kill(self) -> None:
+        """Kill and reap it, and unlink what it left (a start that failed or was given up)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        remove_segments(self.proc.pid)
+
+
+def spawn_service(
+    workdir: Path,
+    module: str,
+    *args: str,
+    name: str | None = None,
+    address: str | None = None,
+    timeout: float = READY_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> Starting:
+    """``python -m module --listen ADDRESS --ready-file F *args``, spawned; :func:`await_service`
+    waits until it serves (so several services can start at once)."""
+    name = name or module
+    address = address or f"ipc://{workdir}/{name}.sock"
+    ready = workdir / f"{name}.ready"
+    ready.unlink(missing_ok=True)
+    log_path = workdir / f"{name}.log"
+    command = [sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready), *args]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=service_env(env)
+        )
+    return Starting(name, proc, address, ready, log_path, timeout, time.monotonic() + timeout)
+
+
+def await_service(starting: Starting) -> Service:
+    """The :class:`Service` once ``starting`` has written its ready file.
+
+    Raises :class:`LaunchError` if it exits first, or is not serving by its
+    deadline (then it is killed); either way its leftover segments are unlinked.
+    """
+    proc = starting.proc
+    while not starting.ready.exists():
+        if proc.poll() is not None:
+            what = f"{exit_status(proc.returncode)} before it was ready"
+        elif time.monotonic() > starting.deadline:
+            what = (
+                f"was still running but not ready after {starting.timeout:.0f}s "
+                f"(pid {proc.pid}; killed)"
+            )
+        else:
+            time.sleep(0.02)
+            continue
+        starting.kill()
+        raise LaunchError(f"{starting.name} {what}; {log_tail(starting.log_path)}")
+    info = json.loads(starting.ready.read_text())
+    return Service(starting.name, proc, starting.address, info, starting.log_path)
+
+
 def start_service(
     workdir: Path,
     module: str,
@@ -168,30 +236,10 @@ def start_service(
     Raises :class:`LaunchError` if it exits first, or is not serving after ``timeout``
     seconds (then it is killed); either way its leftover segments are unlinked.
     """
-    name = name or module
-    address = address or f"ipc://{workdir}/{name}.sock"
-    ready = workdir / f"{name}.ready"
-    ready.unlink(missing_ok=True)
-    log_path = workdir / f"{name}.log"
-    command = [sys.executable, "-m", module, "--listen", address, "--ready-file", str(ready), *args]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=service_env(env)
-        )
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None:
-            what = f"{exit_status(proc.returncode)} before it was ready"
-        elif time.monotonic() > deadline:
-            what = f"was still running but not ready after {timeout:.0f}s (pid {proc.pid}; killed)"
-        else:
-            time.sleep(0.02)
-            continue
-        proc.kill()
-        proc.wait()
-        remove_segments(proc.pid)
-        raise LaunchError(f"{name} {what}; {log_tail(log_path)}")
-    return Service(name, proc, address, json.loads(ready.read_text()), log_path)
+    starting = spawn_service(
+        workdir, module, *args, name=name, address=address, timeout=timeout, env=env
+    )
+    return await_service(starting)
 
 
 class Launcher:
@@ -217,15 +265,30 @@ class Launcher:
         self.curve = curve
         self.ready_timeout = ready_timeout
         self.services: list[Service] = []
+        # Spawned by :meth:`spawn`, not yet awaited: killed by :meth:`stop_all`.
+        self.starting: list[Starting] = []
         # Every segment a service stopped by :meth:`stop_all` left (unlinked).
         self.leaked_segments: list[str] = []
 
     def start(self, module: str, *args: str, **kwargs: Any) -> Service:
+        return self.await_started(self.spawn(module, *args, **kwargs))
+
+    def spawn(self, module: str, *args: str, **kwargs: Any) -> Starting:
+        """Start a service without waiting for it; :meth:`await_started` does."""
         if self.curve is not None:  # every kvstack service takes the four flags
             args = (*args, *self.curve.service_args())
         if self.ready_timeout is not None:
             kwargs["timeout"] = self.ready_timeout
-        service = start_service(self.workdir, module, *args, **kwargs)
+        starting = spawn_service(self.workdir, module, *args, **kwargs)
+        self.starting.append(starting)
+        return starting
+
+    def await_started(self, starting: Starting) -> Service:
+        """``starting`` once it serves (:func:`await_service`); it then stops with the rest."""
+        try:
+            service = await_service(starting)
+        finally:
+            self.starting.remove(starting)
         self.services.append(service)
         return service
 
@@ -249,20 +312,10 @@ class Launcher:
         """
         logging = ["--log-level", log_level] if log_level else []
         layout = pool_layout_args(checkpoint, pool)
-        mem = self.start("memsvc", *layout, *pool, *logging, name=f"memsvc{suffix}")
-        model = self.start(
-            "model_svc",
-            "--memsvc",
-            mem.address,
-            "--checkpoint",
-            str(checkpoint),
-            "--threads",
-            str(worker_threads(1)),
-            *model,
-            *logging,
-            name=f"model_svc{suffix}",
-            timeout=model_ready_timeout(checkpoint),
-        )
+        mem_starting = self.spawn("memsvc", *layout, *pool, *logging, name=f"memsvc{suffix}")
+        model_starting = self.spawn_model(mem_starting, checkpoint, 1, model, logging, suffix)
+        mem = self.await_started(mem_starting)
+        model = self.await_started(model_starting)
         sched = self.start(
             "scheduler_svc",
             "--memsvc",
@@ -275,6 +328,33 @@ class Launcher:
             env=env,
         )
         return mem, model, sched
+
+    def spawn_model(
+        self,
+        mem: Starting,
+        checkpoint: str | Path,
+        num_workers: int,
+        model: Sequence[str],
+        logging: list[str],
+        suffix: str,
+    ) -> Starting:
+        """model_svc for memsvc ``mem``, spawned while ``mem`` starts: it imports torch and
+        loads the model meanwhile, and connects once ``mem`` has written its ready file."""
+        return self.spawn(
+            "model_svc",
+            "--memsvc",
+            mem.address,
+            "--memsvc-ready-file",
+            str(mem.ready),
+            "--checkpoint",
+            str(checkpoint),
+            "--threads",
+            str(worker_threads(num_workers)),
+            *model,
+            *logging,
+            name=f"model_svc{suffix}",
+            timeout=model_ready_timeout(checkpoint),
+        )
 
     def start_pd_stack(
         self,
@@ -312,7 +392,7 @@ class Launcher:
             ("p", "prefill", ["--transfer-peer", listen]),
         ):
             node_pool = [*pool, *(decode_pool or [])] if node == "d" else pool
-            up[f"memsvc-{node}"] = self.start(
+            mem_starting = self.spawn(
                 "memsvc",
                 *pool_layout_args(checkpoint, node_pool),
                 *node_pool,
@@ -323,19 +403,11 @@ class Launcher:
                 *logging,
                 name=f"memsvc-{node}{suffix}",
             )
-            up[f"model_svc-{node}"] = self.start(
-                "model_svc",
-                "--memsvc",
-                up[f"memsvc-{node}"].address,
-                "--checkpoint",
-                str(checkpoint),
-                "--threads",
-                str(worker_threads(2)),
-                *model,
-                *logging,
-                name=f"model_svc-{node}{suffix}",
-                timeout=model_ready_timeout(checkpoint),
+            model_starting = self.spawn_model(
+                mem_starting, checkpoint, 2, model, logging, f"-{node}{suffix}"
             )
+            up[f"memsvc-{node}"] = self.await_started(mem_starting)
+            up[f"model_svc-{node}"] = self.await_started(model_starting)
             node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else scheduler
             up[f"scheduler-{node}"] = self.start(
                 "scheduler_svc",
@@ -364,7 +436,10 @@ class Launcher:
     def stop_all(self) -> None:
         """Stop every service, last started first; each one even if stopping another raised."""
         services, self.services = self.services, []
+        starting, self.starting = self.starting, []
         with contextlib.ExitStack() as stack:
+            for spawned in starting:  # a start given up: nothing to stop cleanly
+                stack.callback(spawned.kill)
             for service in services:  # unwound last first
                 stack.callback(self._stop, service)
 

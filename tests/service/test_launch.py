@@ -13,6 +13,7 @@ import pytest
 
 from kvstack.stack.launch import (
     READY_TIMEOUT_S,
+    Launcher,
     LaunchError,
     model_ready_timeout,
     start_service,
@@ -61,6 +62,19 @@ def test_a_failed_start_says_why(tmp_path, fake_services, module: str, says: str
     else:
         assert message.endswith(f"its log {log} is empty"), message
     assert processes_with(str(tmp_path)) == {}  # the hung ones were killed, all reaped
+
+
+def test_services_started_together_are_reaped_when_one_fails(tmp_path, fake_services) -> None:
+    """``Launcher.spawn`` starts services at once (model_svc beside memsvc): when the one
+    awaited first fails, the one still starting is killed with the launcher, not left."""
+    launcher = Launcher(tmp_path)
+    with pytest.raises(LaunchError, match=r"^exits_early exited with code 2"), launcher:
+        hung = launcher.spawn("hangs_loading", env=fake_services)
+        failed = launcher.spawn("exits_early", env=fake_services)
+        assert launcher.starting == [hung, failed]
+        launcher.await_started(failed)
+    assert hung.proc.returncode is not None and launcher.starting == []
+    assert processes_with(str(tmp_path)) == {}
 
 
 def test_model_svc_gets_longer_to_start_the_bigger_its_checkpoint(tmp_path, checkpoint) -> None:
