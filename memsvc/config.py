@@ -206,7 +206,10 @@ class MemsvcConfig:
         group=PD,
     )
     transfer_peer: str | None = setting(
-        None, "prefill role: the decode-node memsvc's --transfer-listen address", group=PD
+        None,
+        "prefill role: the decode-node memsvc's --transfer-listen address (the default "
+        "peer: a pd_send may name another)",
+        group=PD,
     )
     transfer_timeout: float = setting(
         5.0,

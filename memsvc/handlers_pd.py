@@ -48,7 +48,13 @@ class PdHandlers:
         self._own(session, msg.rid)
         agent = self._agent()
         agent.send(
-            msg.rid, msg.room, msg.num_tokens, msg.first_token, msg.cached_tokens, msg.peer_rid
+            msg.rid,
+            msg.room,
+            msg.num_tokens,
+            msg.first_token,
+            msg.cached_tokens,
+            msg.peer_rid,
+            peer=msg.peer,
         )
         agent.rooms[msg.room].owner = session.num
         return {}, None

@@ -356,8 +356,10 @@ class _Ops:
         first_token: int,
         cached_tokens: int = 0,
         peer_rid: str | None = None,
+        peer: str | None = None,
     ) -> Any:
-        """Prefill side: send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side."""
+        """Prefill side: send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side
+        (``peer``: its memsvc's transfer socket, if not this memsvc's --transfer-peer)."""
         fields = {
             "rid": rid,
             "room": room,
@@ -366,6 +368,8 @@ class _Ops:
             "cached_tokens": cached_tokens,
             "peer_rid": peer_rid,
         }
+        if peer is not None:
+            fields["peer"] = peer
         return self._invoke(_Call("pd_send", fields, None, _nothing))
 
     def pd_status(self, rooms: Sequence[int]) -> Any:

@@ -318,6 +318,8 @@ class PdSend(Message):
     first_token: int = Field(ge=0)
     cached_tokens: int = Field(default=0, ge=0)
     peer_rid: RequestId | None = None  # the decode side's name for it, if not ``rid``
+    # the decode node's transfer socket (ipc:// or tcp://), if not memsvc's --transfer-peer
+    peer: str | None = Field(default=None, min_length=1, max_length=512)
 
 
 class PdStatus(Message):

@@ -92,8 +92,6 @@ class TransferAgent:
     ) -> None:
         if role == "decode" and not listen:
             raise InvalidArgumentError("a decode-role memsvc needs --transfer-listen")
-        if role == "prefill" and not peer:
-            raise InvalidArgumentError("a prefill-role memsvc needs --transfer-peer")
         if backend not in TRANSFER_BACKENDS:
             raise InvalidArgumentError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}")
         self.pool, self.role, self.listen, self.peer_address = pool, role, listen, peer
@@ -132,6 +130,7 @@ class TransferAgent:
                 curve=self.curve,
                 peer_timeout_s=peer_timeout_s,
                 bootstrap_timeout_s=bootstrap_timeout_s,
+                allow_remote=allow_remote,
             )
         self.sock: zmq.Socket | None = None
 

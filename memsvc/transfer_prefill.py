@@ -1,4 +1,10 @@
-"""memsvc-P's part of PD transfers: sending a request's pages to the decode node.
+"""memsvc-P's part of PD transfers: sending a request's pages to a decode node.
+
+Each send goes to a decode node's transfer socket: the one ``pd_send`` names
+(``peer``: what a decode node behind SGLang's router, SMG, told the prefill
+node), else the configured one (``--transfer-peer``). One ROUTER socket
+reaches them all: each decode listener is connected under its address as
+routing id, and this side keeps, per peer, when it last heard from it.
 
 A send queries its room (backing off from 2 ms to 100 ms) until the decode
 side answers ``ready`` with the room's pages, writes them through the mover,
@@ -12,6 +18,7 @@ that deadline). The rooms themselves are :mod:`memsvc.transfer_rooms`'.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
@@ -23,6 +30,7 @@ from memsvc.curve import CurveKeys, make_client
 from memsvc.limits import DEFAULT_LIMIT
 from memsvc.movers import NixlMover, ZmqMover, pack_frames
 from memsvc.rpc import send_or_drop
+from memsvc.server import check_listen_address
 from memsvc.transfer_rooms import (
     BOOTSTRAP_TIMEOUT_ENV,
     HELLO_INTERVAL_S,
@@ -36,10 +44,29 @@ from memsvc.transfer_rooms import (
 )
 
 
-class PrefillSide:
-    """The prefill role's sends to its one decode peer (see the module docstring)."""
+@dataclass(slots=True)
+class PeerLink:
+    """One decode node's transfer socket, as this side reaches it."""
 
-    routed = False  # a DEALER to the configured peer: messages carry no routing id
+    routing_id: bytes  # its address: the id this side's ROUTER connected it under
+    last_seen: float
+    next_hello: float = 0.0
+
+
+class _Routed:
+    """``send_multipart`` to one peer of a ROUTER (what a mover sends its pages on)."""
+
+    def __init__(self, sock: zmq.Socket, routing_id: bytes) -> None:
+        self.sock, self.routing_id = sock, routing_id
+
+    def send_multipart(self, frames: list, flags: int = 0) -> None:
+        self.sock.send_multipart([self.routing_id, *frames], flags)
+
+
+class PrefillSide:
+    """The prefill role's sends to decode peers (see the module docstring)."""
+
+    routed = True  # a ROUTER: each message comes with its peer's routing id
 
     def __init__(
         self,
@@ -47,52 +74,83 @@ class PrefillSide:
         mover: NixlMover | ZmqMover,
         book: RoomBook,
         *,
-        peer_address: str,
+        peer_address: str | None,
         epoch: str,
         curve: CurveKeys,
         peer_timeout_s: float,
         bootstrap_timeout_s: float,
+        allow_remote: bool = False,
     ) -> None:
         self.pool, self.mover, self.book = pool, mover, book
         self.rooms = book.rooms
-        self.peer_address = peer_address
+        self.peer_address = peer_address  # the default peer (--transfer-peer), if any
+        self.links: dict[str, PeerLink] = {}
+        self.allow_remote = allow_remote
         self.epoch = epoch
         self.curve = curve
         self.peer_timeout_s = peer_timeout_s
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.page_size = pool.page_size
-        # It hears only its configured peer (whose "ready" carries NIXL metadata).
+        # It hears only the peers it connected (whose "ready" carries NIXL metadata).
         self.limit = DEFAULT_LIMIT
         self.sock: zmq.Socket | None = None
-        self.last_peer_seen = time.monotonic()
-        self.next_hello = 0.0
 
     def open(self, ctx: zmq.Context) -> zmq.Socket:
-        """Connect to the decode node's listener (with the CURVE client keys, if any)."""
-        self.sock = ctx.socket(zmq.DEALER)
+        """The ROUTER that reaches the decode listeners (with the CURVE client keys, if
+        any); connected at once to the configured peer."""
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         # One routing id for this process's life: a reconnect keeps the rooms it opened.
         self.sock.setsockopt(zmq.ROUTING_ID, f"memsvc-prefill-{self.epoch}".encode())
         make_client(self.sock, self.curve.client)
-        self.sock.connect(self.peer_address)
+        if self.peer_address:
+            self._link(self.peer_address)
         return self.sock
+
+    def _link(self, address: str) -> PeerLink:
+        """The link to the decode listener at ``address``, connected on first use."""
+        link = self.links.get(address)
+        if link is None:
+            assert self.sock is not None
+            if address != self.peer_address:
+                try:
+                    check_listen_address(address, allow_remote=self.allow_remote)
+                except InvalidArgumentError:
+                    raise InvalidArgumentError(
+                        f"peer {address!r}: a decode node's transfer socket must be ipc://PATH "
+                        "or tcp://HOST:PORT on loopback (memsvc --allow-remote: any host)"
+                    ) from None
+            routing_id = address.encode()
+            self.sock.setsockopt(zmq.CONNECT_ROUTING_ID, routing_id)
+            self.sock.connect(address)
+            link = self.links[address] = PeerLink(routing_id, time.monotonic())
+        return link
 
     def progress(self, now: float) -> float:
         """Say hello, advance every send; returns seconds until it wants to run again."""
         wake = 0.25
-        if now >= self.next_hello:
-            self._to_decode(pack_frames({"t": "hello"}))
-            self.next_hello = now + HELLO_INTERVAL_S
+        for address, link in self.links.items():
+            if now >= link.next_hello:
+                self._to_decode(address, pack_frames({"t": "hello"}))
+                link.next_hello = now + HELLO_INTERVAL_S
         for room in list(self.rooms.values()):
             wake = min(wake, self._advance_send(room, now))
         return wake
 
     def cancel(self, room: Room) -> None:
         """A room dropped in flight: tell the decode side."""
-        self._to_decode(pack_frames({"t": "abort", "room": room.room, "why": "cancelled"}))
+        frames = pack_frames({"t": "abort", "room": room.room, "why": "cancelled"})
+        self._to_decode(room.peer_address, frames)
 
     def on_message(self, peer: Peer | None, header: dict, payload: list[bytes]) -> None:
-        self._on_decode_reply(header.get("t"), header)
+        if peer is None:
+            return
+        address = peer[0].decode(errors="replace")
+        link = self.links.get(address)
+        if link is None:
+            return  # not a listener this side connected
+        link.last_seen = time.monotonic()
+        self._on_decode_reply(address, header.get("t"), header)
 
     def send(
         self,
@@ -102,13 +160,20 @@ class PrefillSide:
         first_token: int,
         cached: int,
         peer_rid: str | None = None,
+        peer: str | None = None,
     ) -> None:
         """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side.
 
-        ``peer_rid``: the decode side's name for the request, if not ``rid``.
+        ``peer_rid``: the decode side's name for the request, if not ``rid``; ``peer``:
+        the decode node's transfer socket, if not the configured one.
         """
         if room_id in self.rooms:
             raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
+        address = peer or self.peer_address
+        if not address:
+            raise InvalidArgumentError(
+                "no decode node to send to: pd_send names no peer and memsvc has no --transfer-peer"
+            )
         req = self.pool.request(rid)
         if not 0 < num_tokens <= req.kv_len:
             raise InvalidArgumentError(f"{rid!r} has KV for {req.kv_len} tokens, not {num_tokens}")
@@ -121,12 +186,15 @@ class PrefillSide:
         room.swa_pages = swa_pages
         room.first_token, room.cached_tokens = first_token, cached
         room.peer_rid = peer_rid or rid
+        room.peer_address = address
         room.waiting_since = now
+        self._link(address)  # before the room exists: a refused address leaves nothing
         self.rooms[room_id] = room
         self._query(room, now)
 
     def _query(self, room: Room, now: float) -> None:
-        self._to_decode(pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid}))
+        frames = pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid})
+        self._to_decode(room.peer_address, frames)
         room.next_query = now + room.query_wait
         room.query_wait = min(room.query_wait * 2, QUERY_RETRY_S[1])
 
@@ -150,7 +218,8 @@ class PrefillSide:
 
     def _bootstrap_failed(self, room: Room, now: float) -> bool:
         """Fail a send still bootstrapping: its peer went silent, or its deadline passed."""
-        if now - room.waiting_since > self.peer_timeout_s and now - self.last_peer_seen > (
+        last_seen = self.links[room.peer_address].last_seen
+        if now - room.waiting_since > self.peer_timeout_s and now - last_seen > (
             self.peer_timeout_s
         ):
             self.book.finish(room, f"decode node unreachable for {self.peer_timeout_s:.1f}s")
@@ -165,11 +234,12 @@ class PrefillSide:
             )
         return room.state is KVPoll.FAILED
 
-    def _on_decode_reply(self, kind: str | None, header: dict) -> None:
-        self.last_peer_seen = time.monotonic()
+    def _on_decode_reply(self, address: str, kind: str | None, header: dict) -> None:
         room = self.rooms.get(header.get("room"))
         if room is None or room.state in (KVPoll.SUCCESS, KVPoll.FAILED):
             return
+        if room.peer_address != address:
+            return  # another decode node's answer: not its room
         if kind == "failed":
             self.book.finish(room, f"decode side: {header.get('why', '')}")
         elif kind == "ready" and room.state is KVPoll.BOOTSTRAPPING:
@@ -202,7 +272,8 @@ class PrefillSide:
             room.bytes = room.pages.size * layout.bytes_per_page
             room.bytes += (swa_size or 0) * layout.swa_bytes_per_page
             try:
-                self.mover.start(room, dest["mover"], dst_pages, self.sock, dst_swa_pages)
+                peer = _Routed(self.sock, self.links[room.peer_address].routing_id)
+                self.mover.start(room, dest["mover"], dst_pages, peer, dst_swa_pages)
             except Exception as exc:
                 self._abort_send(room, f"transfer could not start: {exc}")
                 return
@@ -212,6 +283,7 @@ class PrefillSide:
     def _send_done(self, room: Room, now: float) -> None:
         room.waiting_since = now
         self._to_decode(
+            room.peer_address,
             pack_frames(
                 {
                     "t": "done",
@@ -221,18 +293,20 @@ class PrefillSide:
                     "first_token": room.first_token,
                     "cached_tokens": room.cached_tokens,
                 }
-            )
+            ),
         )
 
-    def _to_decode(self, frames: list) -> None:
-        """Send to the decode node without ever blocking memsvc's socket thread.
+    def _to_decode(self, address: str, frames: list) -> None:
+        """Send to the decode node at ``address`` without ever blocking memsvc's socket
+        thread.
 
-        A listener whose CURVE refused this memsvc leaves nowhere to queue (see
-        :func:`memsvc.rpc.send_or_drop`); what is dropped is sent again (hello,
-        query) or ends in the room's timeouts.
+        A peer not connected yet, or whose CURVE refused this memsvc, is not
+        routable: the ROUTER drops the message (see :func:`memsvc.rpc.send_or_drop`);
+        what is dropped is sent again (hello, query) or ends in the room's timeouts.
         """
-        send_or_drop(self.sock, frames)
+        send_or_drop(self.sock, [self.links[address].routing_id, *frames])
 
     def _abort_send(self, room: Room, why: str) -> None:
-        self._to_decode(pack_frames({"t": "abort", "room": room.room, "why": why}))
+        frames = pack_frames({"t": "abort", "room": room.room, "why": why})
+        self._to_decode(room.peer_address, frames)
         self.book.finish(room, why)

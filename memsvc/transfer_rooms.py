@@ -109,6 +109,7 @@ class Room:
     owner: int = 0  # the memsvc session whose request this is
     peer: Peer | None = None  # decode side: the peer whose query opened the room
     peer_rid: str = ""  # prefill side: the rid the decode side expects
+    peer_address: str = ""  # prefill side: the decode node's transfer socket it goes to
 
     def report(self) -> dict[str, Any]:
         return {
