@@ -3,7 +3,7 @@
 The cache facts are asserted: without the shared tier no later turn found anything in
 storage; with it, the later turns (each on the other node) found pages the other
 node wrote; every setup's replies equal the single node's. The times are only
-checked to be there and positive. Starts six ``kvstack serve`` nodes and a
+checked to be there and positive. Starts four ``kvstack serve`` nodes and a
 ``mooncake_master`` (the cluster extra), all stopped by the bench.
 """
 

@@ -150,3 +150,15 @@ def test_master_killed_while_shared_b_recomputes(tmp_path, monkeypatch):
         finally:
             a.close()
             b.close()
+
+
+def test_memsvc_refuses_a_shared_tier_without_a_model_digest():
+    """Without a model digest two checkpoints of one layout would share keys: another
+    model's pages would verify (the checksum covers key and bytes, not whose KV)."""
+    from tests.test_model_digest import memsvc_config
+
+    shared = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+    with pytest.raises(ValueError, match=r"mooncake \(a shared tier\) needs --model-digest"):
+        memsvc_config(shared)
+    config = memsvc_config([*shared, "--model-digest", DIGEST_A])
+    assert config.identity.model_digest == DIGEST_A
