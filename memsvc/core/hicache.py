@@ -91,6 +91,7 @@ from memsvc.core.hicache_tiers import HiCacheStats, HostTier, page_hash_chain
 from memsvc.core.hicache_tree import HiTreeNode, TieredTree
 from memsvc.core.prefix_cache import CacheHit
 from memsvc.core.radix_cache import MatchResult, TreeNode, check_namespace
+from memsvc.core.tree_events import DEVICE
 from memsvc.namespace import DEFAULT_NAMESPACE
 
 # Re-exported: the hierarchy's parts, under the name its users know.
@@ -238,6 +239,7 @@ class HiRadixCache(TieredTree):
         self.stats.loads += 1
         node.value = self.allocator.pages_to_slots(pages)
         node.load_fence = fence
+        self.events.stored(node, DEVICE)
         self._num_evictable_tokens += len(node.key)  # off-device nodes are never locked
         if node.namespace:
             self._count_namespace(node.namespace, len(node.key))
@@ -258,6 +260,7 @@ class HiRadixCache(TieredTree):
         for node in path[num_device:]:
             node.value = slots[at : at + len(node.key)].copy()
             node.load_fence = None
+            self.events.stored(node, DEVICE)
             self._num_evictable_tokens += len(node.key)
             if namespace:
                 self._count_namespace(namespace, len(node.key))
@@ -278,6 +281,7 @@ class HiRadixCache(TieredTree):
             values.append(leaf.value)
             node = leaf
             new.append(leaf)
+            self.events.stored(leaf, DEVICE)
         if self.write_policy == WritePolicy.WRITE_THROUGH:
             # After the whole path is in place: making host room must not drop part of it.
             protect = {id(n) for n in path} | {id(node)}
@@ -345,6 +349,7 @@ class HiRadixCache(TieredTree):
             and self.write_policy == WritePolicy.WRITE_BACK
         ):
             self._backup(node, protect)
+        self.events.removed(node, DEVICE)
         slots = node.value
         node.value = _EMPTY
         node.load_fence = None
@@ -382,6 +387,8 @@ class HiRadixCache(TieredTree):
                 self._free_host(node)
             if node.on_disk:
                 self._delete_storage(node)
+        if not self.root.children:
+            self.events.cleared()
         return evicted
 
     def _flush_namespace(self, namespace: str, *, device_only: bool) -> int:

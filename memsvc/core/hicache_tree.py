@@ -33,6 +33,7 @@ from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_h
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
 from memsvc.core.storage.kept import KeptPages, shared_run
+from memsvc.core.tree_events import DEVICE, HOST, STORAGE
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
 
@@ -212,6 +213,7 @@ class TieredTree(RadixCache):
         node.namespace = last.namespace if path else namespace
         last.children[self._edge_key(node)] = node
         self._storage_keys.update(keys)
+        self.events.stored(node, STORAGE)
         self._touch(node)
         path.append(node)
 
@@ -242,6 +244,7 @@ class TieredTree(RadixCache):
         dev_pages = node.value[:: self.page_size] // self.page_size
         self.copies.to_host(dev_pages, host_pages)
         node.host_pages = host_pages
+        self.events.stored(node, HOST)
         self._touch(node)
         self.stats.backup_bytes += num_pages * self.page_bytes
         self.stats.backup_tokens += len(node.key)
@@ -297,6 +300,7 @@ class TieredTree(RadixCache):
             self._host_heap.push(node)
 
     def _free_host(self, node: TreeNode) -> None:
+        self.events.removed(node, HOST)
         self.host.free(node.host_pages)
         if self.zero_freed_host and node.namespace:  # --zero-freed-kv: salted KV
             self.copies.zero_host(self.host.arena, node.host_pages)
@@ -319,6 +323,7 @@ class TieredTree(RadixCache):
         self.copies.to_storage(self.storage, node.host_pages.copy(), keys)
         self._storage_keys.update(keys)
         node.on_disk = True
+        self.events.stored(node, STORAGE)
         self._touch(node)
         self.stats.storage_write_bytes += num_pages * self.page_bytes
         return True
@@ -366,6 +371,7 @@ class TieredTree(RadixCache):
         keys = list(self._hashes(node))
         self._storage_keys.difference_update(keys)
         node.on_disk = False
+        self.events.removed(node, STORAGE)
         self.copies.delete(self.storage, keys)
 
     # -- failed loads and writes -----------------------------------------------------
@@ -444,6 +450,7 @@ class TieredTree(RadixCache):
                 if n.lock_ref:
                     raise IntegrityError(f"discarding node {n.node_id}, which is locked")
                 if n.value.size:
+                    self.events.removed(n, DEVICE)
                     slots, n.value = n.value, _EMPTY
                     self._num_evictable_tokens -= len(n.key)
                     if n.namespace:

@@ -40,6 +40,7 @@ from memsvc.core.fence import CopyFence
 from memsvc.core.prefix_cache import CacheHit, PrefixCache, common_prefix_len
 from memsvc.core.radix_check import TreeChecks
 from memsvc.core.radix_namespaces import NamespaceCounts, check_namespace
+from memsvc.core.tree_events import DEVICE, NULL_TREE_EVENTS, NullTreeEvents
 from memsvc.namespace import DEFAULT_NAMESPACE
 
 _EMPTY = np.empty(0, dtype=SLOT_DTYPE)
@@ -57,6 +58,7 @@ class TreeNode:
     lock_ref: int = 0
     last_access_time: int = 0
     namespace: str = DEFAULT_NAMESPACE  # its cache namespace (memsvc.namespace)
+    event_hashes: list[bytes] | None = field(default=None, repr=False)  # tree_events.py
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -100,6 +102,7 @@ class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
         self.root.lock_ref = 1  # the root is never evicted nor counted
         self._free_leaves = EvictionHeap(lru_rank, self._is_free_leaf)
         self._init_namespaces()
+        self.events: NullTreeEvents = NULL_TREE_EVENTS  # KV events (memsvc.core.tree_events)
 
     # -- sizes -----------------------------------------------------------------
 
@@ -180,7 +183,10 @@ class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
         only that namespace's."""
         if namespace is not None:
             return self.evict_namespace(check_namespace(namespace), self.total_size())
-        return self.evict(self.evictable_size())
+        evicted = self.evict(self.evictable_size())
+        if not self.root.children:
+            self.events.cleared()
+        return evicted
 
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed.
@@ -200,6 +206,7 @@ class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
         freed_values = []
         while num_evicted < num_tokens and (leaf := heap.pop()) is not None:
             parent = leaf.parent
+            self.events.removed(leaf, DEVICE)
             del parent.children[self._edge_key(leaf)]
             leaf.parent = None  # marks it detached: lock/unlock refuse it from now on
             freed_values.append(leaf.value)
@@ -400,6 +407,7 @@ class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
             self._touch(leaf)
             values.append(leaf.value)
             node = leaf
+            self.events.stored(leaf, DEVICE)
         return prefix_len, node, values
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
@@ -417,6 +425,7 @@ class RadixCache(NamespaceCounts, TreeChecks, PrefixCache):
         node.value = node.value[split_len:]
         node.parent = upper
         upper.children[self._page_key(node.key)] = node
+        self.events.split(upper, node)
         self._touch(upper)
         self._touch(node)
         return upper
