@@ -226,9 +226,7 @@ def _check_appends(
     pool = service.pool
     owned = session.rids
     rows: list[object | None] = []
-    for rid, (offset, num, kv_committed, retractions) in zip(
-        msg.rids, table.tolist(), strict=True
-    ):
+    for rid, (offset, num, kv_committed, retractions) in zip(msg.rids, table.tolist(), strict=True):
         record = records.get(rid) or added.get(rid)
         if record is None:
             raise InvalidArgumentError(f"commit: no record for {rid!r} (open it with new_rids)")

@@ -116,10 +116,12 @@ class SchedulerService:
         engine.emit = self._emit
         # A restarted scheduler's adopted requests wait for their clients (scheduler_svc.adopt).
         self.reattach: Reattach | None = None
-        if engine.journal is not None:
-            engine.journal.owner_of = self._owner_of
-        if self.recovery.adopted is not None:
-            self._await_clients(self.recovery.adopted)
+        journal = getattr(engine, "journal", None)  # (the tests' stand-in engines have none)
+        if journal is not None:
+            journal.owner_of = self._owner_of
+        adopted = getattr(self.recovery, "adopted", None)
+        if adopted is not None:
+            self._await_clients(adopted)
         if mode == "decode":
             engine.on_rebootstrap = self._rebootstrap
 
@@ -440,7 +442,7 @@ class SchedulerService:
             "gc": gc_state(),  # the collector's policy in this process (memsvc.gcpolicy)
             "recovery": {
                 **self.recovery.stats.as_dict(),
-                "journal": engine.journal.stats() if engine.journal is not None else None,
+                "journal": _journal_stats(engine),
                 "adopt_expired": self.reattach.expired if self.reattach is not None else 0,
                 "model_resends": getattr(engine.model, "resends", 0),
             },
@@ -455,3 +457,8 @@ class SchedulerService:
         if self.mode == "prefill":
             return {"queues": {"inflight": len(engine.inflight), "waiting": len(engine.waiting)}}
         return {}
+
+
+def _journal_stats(engine: Any) -> dict[str, Any] | None:
+    journal = getattr(engine, "journal", None)
+    return journal.stats() if journal is not None else None

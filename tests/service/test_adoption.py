@@ -166,8 +166,10 @@ def test_host_entries_and_unrecorded_rows(service) -> None:
         (dict(new_rids=["n"], new_meta=[b""], new_prompt_lens=[0]), "invalid_argument"),
         (dict(new_rids=["n"], new_meta=[b""], new_prompt_lens=[]), "bad_request"),
         (dict(drop=["nope"]), "invalid_argument"),
-        (dict(rids=["a", "a"], entries=entries((2, 0, 0, 0), (2, 0, 0, 0)), token_ids=ids()),
-         "bad_request"),
+        (
+            dict(rids=["a", "a"], entries=entries((2, 0, 0, 0), (2, 0, 0, 0)), token_ids=ids()),
+            "bad_request",
+        ),
     ],
 )
 def test_bad_commits_change_nothing(service, fields, code) -> None:
