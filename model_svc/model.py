@@ -180,7 +180,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (uninitialized) weight, nn.Embedding skips its random init, which on
+        # the meta device goes through torch._refs and imports torch._dynamo: ~1 CPU-s
+        # of each model_svc start, for values the checkpoint's replace at once.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )

@@ -56,3 +56,26 @@ def test_await_ready_file_gives_up_after_its_timeout(tmp_path) -> None:
     missing = tmp_path / "memsvc.ready"
     with pytest.raises(ModelSvcError, match=f"memsvc wrote no ready file {missing} within 0.2s"):
         await_ready_file(str(missing), timeout_s=0.2)
+
+
+LOAD_THEN_LIST = """
+import sys
+from model_svc.model import LlamaModel
+LlamaModel.from_checkpoint(sys.argv[1])
+print("imported:", [m for m in ("torch._dynamo", "sympy") if m in sys.modules])
+"""
+
+
+def test_loading_a_model_does_not_import_torch_dynamo(checkpoint) -> None:
+    """Built on the meta device, a model's random init would import torch._dynamo (and
+    sympy): about a CPU-second of every model_svc start, for weights overwritten at once."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_THEN_LIST, str(checkpoint)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stdout + done.stderr
