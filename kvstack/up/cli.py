@@ -1,4 +1,5 @@
-"""``kvstack up``: build the process list for a mode and supervise it until a signal.
+"""``kvstack up``: build the process list for a mode (or, with ``--nodes N``, a cluster:
+:mod:`kvstack.up.cluster`) and supervise it until a signal.
 
 See :mod:`kvstack.stack.spec` for what runs and
 :mod:`kvstack.up.supervisor` for how it is kept running.
@@ -15,6 +16,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from kvstack.model.paths import TINY, say_on_stderr
@@ -34,7 +36,13 @@ from kvstack.stack.model_args import (
     served_model_name,
     stack_model,
 )
-from kvstack.stack.spec import StackOptions, StackUnavailableError, build_process_list
+from kvstack.stack.spec import (
+    ProcessSpec,
+    StackOptions,
+    StackUnavailableError,
+    build_process_list,
+)
+from kvstack.up.cluster import PD_MISSING, ClusterOptions, cluster_stack, workers_ready
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT, make_private_dirs, open_private_log
 from memsvc.core.errors import InvalidArgumentError
@@ -99,6 +107,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "refused (exit 2) if DIR, clients/ or a key file is another user's or group- or "
         "world-writable (docs/security.md)",
     )
+    cluster = parser.add_argument_group(
+        "cluster (many nodes behind SGLang's router, SMG; needs the cluster extra)"
+    )
+    cluster.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N normal-mode nodes (each memsvc + model_svc + scheduler_svc + its HTTP "
+        "front), the Mooncake master (their shared KV tier: hierarchical cache on, "
+        "--hicache-storage-backend mooncake) and SMG in front (docs/supervisor.md); --mode is "
+        "ignored",
+    )
+    cluster.add_argument(
+        "--prefill-nodes",
+        type=int,
+        default=None,
+        metavar="P",
+        help="PD mode under SMG: refused for now (kvstack's nodes do not pair by SMG's "
+        "bootstrap_room yet)",
+    )
+    cluster.add_argument(
+        "--decode-nodes", type=int, default=None, metavar="D", help="see --prefill-nodes"
+    )
+    cluster.add_argument(
+        "--port", type=int, default=30000, help="with --nodes: SMG's HTTP port (0: a free one)"
+    )
+    cluster.add_argument(
+        "--policy",
+        default="cache_aware",
+        help="with --nodes: SMG's routing policy (smg launch --policy)",
+    )
+    cluster.add_argument(
+        "--smg-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --nodes: pass ARG to `smg launch` (e.g. --smg-arg=--log-level=debug)",
+    )
     add_service_flags(parser)
     add_config_argument(parser)
     extra = parser.add_argument_group(
@@ -161,12 +208,46 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
     )
 
 
+def build_specs(
+    args: argparse.Namespace, run_dir: Path
+) -> tuple[str, StackOptions, list[ProcessSpec]]:
+    """(mode, options, process list): one stack, or with ``--nodes`` a cluster
+    (:mod:`kvstack.up.cluster`)."""
+    options = options_from_args(args)
+    if args.nodes is None:
+        return args.mode, options, build_process_list(args.mode, run_dir, options)
+    cluster = ClusterOptions(
+        nodes=args.nodes,
+        port=args.port,
+        policy=args.policy,
+        smg_args=tuple(args.smg_arg),
+        served_model_name=served_model_name(args),
+    )
+    return "cluster", options, cluster_stack(run_dir, options, cluster)
+
+
+def await_workers(
+    supervisor: Supervisor, nodes: int, timeout_s: float, stop: threading.Event
+) -> None:
+    """Until SMG reports every node ready (it registers them once it listens); raises
+    :class:`SupervisorError` after stopping the cluster if it does not in ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (ready := workers_ready(supervisor.address("smg"))[0]) < nodes:
+        if stop.is_set() or time.monotonic() > deadline:
+            supervisor.stop()
+            why = "interrupted" if stop.is_set() else f"not within {timeout_s:.0f}s"
+            raise SupervisorError(f"SMG reports {ready} of {nodes} nodes ready ({why})")
+        supervisor.poll()
+        time.sleep(0.2)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
+        if args.prefill_nodes is not None or args.decode_nodes is not None:
+            raise StackUnavailableError(PD_MISSING)  # before a run dir is made
         run_dir = prepare_run_dir(args.run_dir)
-        options = options_from_args(args)
-        specs = build_process_list(args.mode, run_dir, options)
+        mode, options, specs = build_specs(args, run_dir)
     except StackUnavailableError as exc:
         print(f"kvstack up: error: {exc}", file=sys.stderr)
         return 2
@@ -177,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         specs,
         run_dir,
-        mode=args.mode,
+        mode=mode,
         policy=RestartPolicy(
             args.backoff_initial,
             args.backoff_max,
@@ -195,12 +276,14 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         supervisor.start(stop=stop)
+        if mode == "cluster":
+            await_workers(supervisor, args.nodes, supervisor.policy.ready_timeout_s, stop)
     except SupervisorError as exc:
         print(f"kvstack up: error: {exc}", file=sys.stderr)
         return 1
     try:
         print(
-            f"kvstack up: {args.mode} stack running in {run_dir}; generate API at "
+            f"kvstack up: {mode} stack running in {run_dir}; generate API at "
             f"{supervisor.address(specs[-1].name)}"
             f"{f' (CURVE, keys in {options.curve.path})' if options.curve else ''}; "
             f"`kvstack status --run-dir {run_dir}`",

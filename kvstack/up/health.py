@@ -1,11 +1,17 @@
 """Health checks of the stack's processes: one round trip each, a reason when unhealthy.
 
-Each takes the stack's client keys (``curve``) when its sockets have CURVE on.
+Each takes the stack's client keys (``curve``) when its sockets have CURVE on. A
+cluster's (``kvstack up --nodes``) HTTP fronts, SMG and Mooncake master are pinged
+over HTTP and TCP (none of them speaks CURVE).
 """
 
 from __future__ import annotations
 
+import json
+import socket
+import urllib.request
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from memsvc.curve import CurveClientKeys
 
@@ -55,12 +61,38 @@ def ping_router(address: str, timeout_s: float, curve: CurveClientKeys | None) -
     return f"decode running {info['num_running']}, prefill {prefill}, in flight {flights}"
 
 
+def ping_http(address: str, timeout_s: float, curve: CurveClientKeys | None) -> str:
+    """A node's HTTP front: ``GET /health`` is 200 (its scheduler answers)."""
+    with urllib.request.urlopen(f"{address}/health", timeout=timeout_s) as response:
+        return f"/health {response.status}"
+
+
+def ping_smg(address: str, timeout_s: float, curve: CurveClientKeys | None) -> str:
+    """SGLang's router: ``GET /workers``; healthy while it has a worker to route to."""
+    with urllib.request.urlopen(f"{address}/workers", timeout=timeout_s) as response:
+        workers = json.load(response)["workers"]
+    ready = [w for w in workers if w.get("is_healthy") and w.get("status") == "ready"]
+    if not ready:
+        raise RuntimeError(f"no worker ready (0/{len(workers)})")
+    return f"workers ready {len(ready)}/{len(workers)}"
+
+
+def ping_tcp(address: str, timeout_s: float, curve: CurveClientKeys | None) -> str:
+    """The Mooncake master: its RPC port accepts a connection."""
+    parts = urlsplit(address)
+    socket.create_connection((parts.hostname, parts.port), timeout_s).close()
+    return "accepts connections"
+
+
 HealthCheck = Callable[[str, float, CurveClientKeys | None], str]
 HEALTH_CHECKS: dict[str, HealthCheck] = {
     "memsvc": ping_memsvc,
     "model_svc": ping_model,
     "scheduler_svc": ping_scheduler,
     "router": ping_router,
+    "http": ping_http,
+    "smg": ping_smg,
+    "mooncake_master": ping_tcp,
 }
 
 

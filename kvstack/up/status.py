@@ -3,7 +3,9 @@
 It reads the supervisor's ``state.json`` in the run directory for pids,
 addresses and restart counts, and pings every process itself (memsvc: a
 session heartbeat; model_svc: ``info``; scheduler_svc: ``info``) with a short
-timeout, so the answer is current even if the supervisor is gone. The exit
+timeout, so the answer is current even if the supervisor is gone. A cluster
+(``kvstack up --nodes N``) lists every node's services (``nodeI/memsvc``...,
+``nodeI/http``), the Mooncake master and SMG (its ready workers). The exit
 code is 0 only when the supervisor and every process are alive and healthy.
 """
 
@@ -56,16 +58,17 @@ def inspect(run_dir: Path, timeout_s: float) -> dict[str, Any]:
 
 def render(state: dict[str, Any]) -> str:
     sup = "alive" if state["supervisor_alive"] else "NOT RUNNING"
+    width = max([15, *(len(p["name"]) + 1 for p in state["processes"])])
     lines = [
         f"run dir {state['run_dir']}  mode {state['mode']}  status {state['status']}  "
         f"supervisor pid {state['supervisor_pid']} ({sup})",
-        f"{'NAME':<15}{'PID':>8}  {'ALIVE':<6}{'RESTARTS':>8}  {'HEALTH':<8}DETAIL",
+        f"{'NAME':<{width}}{'PID':>8}  {'ALIVE':<6}{'RESTARTS':>8}  {'HEALTH':<8}DETAIL",
     ]
     for proc in state["processes"]:
         health = "ok" if proc["healthy"] else "BAD"
         detail = proc["health"].removeprefix("ok: ")
         lines.append(
-            f"{proc['name']:<15}{proc['pid'] or '-':>8}  {'yes' if proc['alive'] else 'no':<6}"
+            f"{proc['name']:<{width}}{proc['pid'] or '-':>8}  {'yes' if proc['alive'] else 'no':<6}"
             f"{proc['restarts']:>8}  {health:<8}{detail}  [{proc['address']}]"
         )
     lines.append("healthy" if state["healthy"] else "UNHEALTHY")
