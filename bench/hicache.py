@@ -13,7 +13,9 @@ SmolLM2-135M-Instruct (``--model-path``) with the same pool and scheduler flags,
 one with ``--enable-hierarchical-cache`` (memsvc's own defaults, write policy
 included, unless ``--write-policy`` names one; ``--storage-dir`` adds the file
 disk tier), one radix-only; ``--stacks`` adds ``radix_ref``, radix-only on a pool
-twice the working set. After an untimed warm-up request each, every stack serves
+twice the working set, and ``radix_b``, a second radix-only stack like ``radix``
+(the cell's ``control_*`` figures: what two identical stacks differ by, the
+machine's noise in that cell). After an untimed warm-up request each, every stack serves
 ``--rounds`` rounds of fresh conversations (the same ones on every stack), the
 stacks' order rotating from round to round so that drift on the machine hits
 both. A conversation sends its next turn (the whole history, its own replies
@@ -24,9 +26,11 @@ greedy and exactly the workload's output length (``ignore_eos``).
 Per cell and stack: TTFT p50 / p99 (submission to the first streamed token),
 requests and output tokens per wall second, prompt tokens that hit each tier
 (the replies' ``cached_tokens_details``), prefill tokens computed (the
-scheduler's stats); for the hierarchy, every counter of memsvc's ``hicache``
-stats over the cell (its hit tokens per tier, loads, backups, and whatever
-else it counts), the copy bandwidths; per cell the speedups (radix-only /
+scheduler's stats), each service's CPU seconds (``cpu_s``; the worker's per
+round, which the machine's load moves far less than wall time); for the
+hierarchy, every counter of memsvc's ``hicache`` stats over the cell (its hit
+tokens per tier, loads, backups, and whatever else it counts), the copy
+bandwidths; per cell the speedups (radix-only /
 hierarchy) and whether the replies were identical token for token.
 
 The last line is JSON: ``cells``, then over the matrix ``worst_ttft_p50_speedup``,
@@ -57,6 +61,7 @@ from hicache_figures import (  # bench/, on the path as the script's folder
     copy_figures,
     machine,
     measure_memcpy,
+    process_cpu_s,
     summarize,
     table,
 )
@@ -70,7 +75,7 @@ from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateResult
 PAGE_SIZE = 16
 MAX_RUNNING_REQUESTS = 64
 REQUEST_TIMEOUT_S = 600.0
-STACKS = ("hicache", "radix", "radix_ref")
+STACKS = ("hicache", "radix", "radix_ref", "radix_b")
 
 # -- serving ------------------------------------------------------------------------------
 
@@ -150,8 +155,18 @@ async def serve_round(
     return {"wall_s": wall_s, "ttft_p50_s": ttft_p50_s, **deltas}
 
 
-async def serve(addresses: dict[str, str], workload: Workload, rounds: int) -> dict[str, Any]:
-    """Every stack serves ``rounds`` rounds, the order rotating; figures per stack."""
+def cpu_s(pids: dict[str, int]) -> dict[str, float | None]:
+    return {service: process_cpu_s(pid) for service, pid in pids.items()}
+
+
+async def serve(
+    addresses: dict[str, str],
+    workload: Workload,
+    rounds: int,
+    pids: dict[str, dict[str, int]] | None = None,
+) -> dict[str, Any]:
+    """Every stack serves ``rounds`` rounds, the order rotating; figures per stack (with
+    ``pids``, each stack's services by name, the CPU seconds each used per round)."""
     figures: dict[str, list[dict[str, Any]]] = {name: [] for name in addresses}
     turns: dict[str, list[Turn]] = {name: [] for name in addresses}
     outputs: dict[str, list[list[list[int]]]] = {name: [] for name in addresses}  # [chat][turn]
@@ -169,7 +184,11 @@ async def serve(addresses: dict[str, str], workload: Workload, rounds: int) -> d
         for index in range(rounds):
             for name in order[index % len(order) :] + order[: index % len(order)]:
                 chats = workload.chats(index)
+                before = cpu_s(pids[name]) if pids else {}
                 figures[name].append(await serve_round(clients[name], chats, workload))
+                after = cpu_s(pids[name]) if pids else {}
+                if after and None not in after.values() and None not in before.values():
+                    figures[name][-1]["cpu_s"] = {s: after[s] - before[s] for s in after}
                 turns[name] += [t for c in chats for t in c.turns]
                 outputs[name] += [[t.output_ids for t in c.turns] for c in chats]
                 wall = figures[name][-1]["wall_s"]
@@ -248,8 +267,13 @@ def run_cell(
         with MemClient(next(iter(stacks.values()))[0].address, name="bench") as client:
             bytes_per_token = client.layout.bytes_per_token
         hc_before = hicache_stats(stacks["hicache"][0].address) if "hicache" in stacks else {}
+        services = ("memsvc", "model_svc", "scheduler_svc")
+        pids = {
+            n: {service: s.proc.pid for service, s in zip(services, stack, strict=True)}
+            for n, stack in stacks.items()
+        }
         served = asyncio.run(
-            serve({n: s[2].address for n, s in stacks.items()}, workload, args.rounds)
+            serve({n: s[2].address for n, s in stacks.items()}, workload, args.rounds, pids)
         )
         if "hicache" in stacks:
             hc_after = hicache_stats(stacks["hicache"][0].address)
@@ -268,13 +292,28 @@ def run_cell(
         "working_set_over_pool": round(working_set / (num_pages * PAGE_SIZE), 2),
         **served,
     }
-    if "hicache" in served and "radix" in served:
-        hi, radix = served["hicache"], served["radix"]
-        cell["ttft_p50_speedup"] = round(radix["ttft_p50_s"] / hi["ttft_p50_s"], 3)
-        cell["ttft_p99_speedup"] = round(radix["ttft_p99_s"] / hi["ttft_p99_s"], 3)
-        cell["throughput_ratio"] = round(hi["requests_per_s"] / radix["requests_per_s"], 3)
+    cell.update(speedups(served))
     cell["cell_s"] = round(time.monotonic() - started, 1)
     return cell, leaked
+
+
+def speedups(served: dict[str, Any]) -> dict[str, float]:
+    """The hierarchy's figures over radix-only's; with ``radix_b``, the same two figures
+    between the two identical radix-only stacks (``control_*``: the cell's noise)."""
+    out = {}
+    radix = served.get("radix")
+    if radix is None:
+        return out
+    if "hicache" in served:
+        hi = served["hicache"]
+        out["ttft_p50_speedup"] = round(radix["ttft_p50_s"] / hi["ttft_p50_s"], 3)
+        out["ttft_p99_speedup"] = round(radix["ttft_p99_s"] / hi["ttft_p99_s"], 3)
+        out["throughput_ratio"] = round(hi["requests_per_s"] / radix["requests_per_s"], 3)
+    if "radix_b" in served:
+        twin = served["radix_b"]
+        out["control_ttft_p50_speedup"] = round(radix["ttft_p50_s"] / twin["ttft_p50_s"], 3)
+        out["control_throughput_ratio"] = round(twin["requests_per_s"] / radix["requests_per_s"], 3)
+    return out
 
 
 # -- the matrix ---------------------------------------------------------------------------
@@ -404,8 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         "--stacks",
         type=csv(str),
         default=list(STACKS[:2]),
-        help="hicache, radix (the two compared) and radix_ref (radix-only on a pool twice "
-        "the working set)",
+        help="hicache, radix (the two compared), radix_ref (radix-only on a pool twice "
+        "the working set) and radix_b (a second radix-only stack like radix: the noise)",
     )
     args = parser.parse_args(argv)
     if not args.stacks or any(s not in STACKS for s in args.stacks):

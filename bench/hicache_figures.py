@@ -46,7 +46,7 @@ def hit_tokens(turns: list[Turn]) -> dict[str, int]:
 def summarize(rounds: list[dict[str, Any]], turns: list[Turn]) -> dict[str, Any]:
     wall_s = sum(r["wall_s"] for r in rounds)
     ttft = [t.ttft_s for t in turns]
-    return {
+    out = {
         "ttft_p50_s": round(statistics.median(ttft), 4),
         "ttft_p99_s": round(percentile(ttft, 0.99), 4),
         "e2e_p50_s": round(statistics.median([t.e2e_s for t in turns]), 4),
@@ -61,6 +61,22 @@ def summarize(rounds: list[dict[str, Any]], turns: list[Turn]) -> dict[str, Any]
         "hit_tokens": hit_tokens(turns),
         **{k: round(sum(r.get(k, 0) for r in rounds), 3) for k in STAT_KEYS},
     }
+    if all("cpu_s" in r for r in rounds):  # each service's CPU seconds, over the rounds
+        services = rounds[0]["cpu_s"]
+        out["cpu_s"] = {s: round(sum(r["cpu_s"][s] for r in rounds), 2) for s in services}
+        # the worker's CPU does not depend on the machine's load the way wall time does
+        out["round_worker_cpu_s"] = [round(r["cpu_s"]["model_svc"], 2) for r in rounds]
+    return out
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) the process has used so far, from /proc (None elsewhere,
+    or once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure_memcpy(nbytes: int, repeats: int = 5) -> float:

@@ -97,6 +97,13 @@ def test_the_json_has_every_cell_and_the_matrix_figures(quick: dict[str, Any]) -
             assert all(positive(figures[k]) for k in STACK_KEYS[:5])
             # each stack served every round (their spread is reported)
             assert len(figures["round_ttft_p50_s"]) == len(figures["round_wall_s"]) == 2
+            # what each service's process spent, the worker's round by round
+            assert set(figures["cpu_s"]) == {"memsvc", "model_svc", "scheduler_svc"}
+            assert len(figures["round_worker_cpu_s"]) == 2
+            assert figures["cpu_s"]["model_svc"] > 0
+            assert sum(figures["round_worker_cpu_s"]) == pytest.approx(
+                figures["cpu_s"]["model_svc"], abs=0.02
+            )
         assert cell["hicache"]["memsvc"]["write_policy"]  # memsvc's own, reported
     assert quick["leaked_segments"] == []
 
@@ -143,6 +150,27 @@ def test_differing_replies_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None
     with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exited:
         bench.main(["--quick"])
     assert exited.value.code == 1
+
+
+def test_a_second_radix_only_stack_measures_the_noise() -> None:
+    bench = load_bench()
+    stack = {"ttft_p50_s": 2.0, "ttft_p99_s": 4.0, "requests_per_s": 1.0}
+    served = {
+        "hicache": {"ttft_p50_s": 1.0, "ttft_p99_s": 4.0, "requests_per_s": 1.5},
+        "radix": stack,
+        "radix_b": {**stack, "ttft_p50_s": 2.5, "requests_per_s": 0.9},
+    }
+    assert bench.speedups(served) == {
+        "ttft_p50_speedup": 2.0,
+        "ttft_p99_speedup": 1.0,
+        "throughput_ratio": 1.5,
+        "control_ttft_p50_speedup": 0.8,  # radix-only against itself, as the hierarchy is
+        "control_throughput_ratio": 0.9,
+    }
+    del served["radix_b"]
+    assert "control_ttft_p50_speedup" not in bench.speedups(served)
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        bench.main(["--stacks", "hicache,radix,radix_c"])  # only the stacks it knows
 
 
 class FakeClient:
