@@ -45,7 +45,11 @@ def variants() -> dict[str, dict[str, dict[str, Any]]]:
     base = load("compose.yaml")["services"]
     override = load("compose.gpu.yaml")["services"]
     assert set(override) <= set(base), "the GPU file overrides services the base lacks"
-    gpu = {name: {**spec, **override.get(name, {})} for name, spec in base.items()}
+    gpu = {  # the cluster profile is CPU only: the GPU file overrides none of it
+        name: {**spec, **override.get(name, {})}
+        for name, spec in base.items()
+        if "cluster" not in spec.get("profiles", [])
+    }
     return {"cpu": base, "gpu": gpu}
 
 
@@ -305,7 +309,10 @@ def test_kvstack_services_have_healthchecks_and_restart(variant: str) -> None:
     for profile, wanted in {
         "normal": {"memsvc", "model_svc", "scheduler_svc", "serve"},
         "pd": {"memsvc", "model_svc", "scheduler_svc", "scheduler_svc.pd.router", "serve"},
+        "cluster": {"memsvc", "model_svc", "scheduler_svc", "serve"},
     }.items():
+        if profile == "cluster" and variant == "gpu":
+            continue  # CPU only (variants())
         kinds = {kind(s) for s in services.values() if profile in s.get("profiles", [])}
         kinds.discard(None)
         if kinds != wanted:
@@ -336,3 +343,43 @@ def test_dockerfiles_copy_every_package_the_project_installs() -> None:
     for name in ("Dockerfile", "Dockerfile.gpu"):
         copied = set(re.findall(r"^COPY (\w+) \./\1$", (DOCKER / name).read_text(), re.M))
         assert copied == packages, name
+
+
+def test_cluster_profile_wires_smg_and_the_mooncake_master() -> None:
+    """SMG routes to every node's front; every node's memsvc keeps its tier on the master,
+    named by the bundled tiny model's digest (what the image's checkpoint hashes to)."""
+    import json
+    import tempfile
+
+    from kvstack.model.digest import model_digest
+    from model_svc.tiny import write_tiny_checkpoint
+
+    services = VARIANTS["cpu"]
+    cluster = {n: s for n, s in services.items() if "cluster" in s.get("profiles", [])}
+    by_kind: dict[str, list[str]] = {}
+    for name, spec in cluster.items():
+        by_kind.setdefault(kind(spec) or spec["command"][0], []).append(name)
+    assert len(by_kind["serve"]) >= 2 and by_kind["mooncake_master"] == ["mooncake-master"]
+    master = cluster["mooncake-master"]
+    rpc = next(a.split("=", 1)[1] for a in master["command"] if a.startswith("--rpc_port="))
+    assert rpc in " ".join(master["healthcheck"]["test"])
+    smg = cluster[by_kind["smg"][0]]["command"]
+    assert smg[:2] == ["smg", "launch"]
+    urls = smg[smg.index("--worker-urls") + 1 : smg.index("--policy")]
+    fronts = {
+        f"http://{name}:{option(entry_point(cluster[name]['command'])[1], '--port')}"
+        for name in by_kind["serve"]
+    }
+    assert set(urls) == fronts
+    assert set(cluster[by_kind["smg"][0]]["depends_on"]) == set(by_kind["serve"])
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = model_digest(write_tiny_checkpoint(Path(tmp) / "tiny"))
+    for name in by_kind["memsvc"]:
+        args = entry_point(cluster[name]["command"])[1]
+        assert option(args, "--hicache-storage-backend") == "mooncake", name
+        assert "--enable-hierarchical-cache" in args, name
+        config = json.loads(option(args, "--hicache-storage-backend-extra-config"))
+        assert config["master_server_address"] == f"mooncake-master:{rpc}", name
+        assert config["local_hostname"] == name  # where the other nodes reach its segment
+        assert option(args, "--model-digest") == tiny, name
+        assert "mooncake-master" in depends_on(cluster[name]), name
