@@ -36,7 +36,10 @@ class StackUnavailableError(Exception):
 class ProcessSpec:
     """One supervised process: ``command`` serves ``address`` once ``ready_file`` exists.
 
-    ``kind`` names its health check in :data:`HEALTH_CHECKS`.
+    ``kind`` names its health check in :data:`HEALTH_CHECKS`. ``starts_early``: it is
+    spawned with the first process, not once those before it serve, as it waits for
+    what it needs itself (model_svc imports torch and loads its model meanwhile, then
+    waits for memsvc's ready file).
     """
 
     name: str
@@ -47,6 +50,7 @@ class ProcessSpec:
     log_file: Path
     env: dict[str, str] = field(default_factory=dict)
     extra_files: tuple[Path, ...] = ()  # removed when the stack stops
+    starts_early: bool = False
 
 
 @dataclass
@@ -121,6 +125,8 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
         [
             "--memsvc",
             options.via.get("memsvc", mem.address),
+            "--memsvc-ready-file",
+            str(mem.ready_file),
             "--checkpoint",
             checkpoint,
             "--threads",
@@ -128,6 +134,7 @@ def normal_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             *options.model_args,
             *logging_args,
         ],
+        starts_early=True,
     )
     session_file = run_dir / "scheduler_svc.session"
     scheduler = service_spec(
@@ -212,6 +219,8 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             [
                 "--memsvc",
                 via(mems[node]),
+                "--memsvc-ready-file",
+                str(mems[node].ready_file),
                 "--checkpoint",
                 checkpoint,
                 "--threads",
@@ -220,6 +229,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
                 *logging_args,
             ],
             kind="model_svc",
+            starts_early=True,
         )
     for node, role in PD_NODES:
         session_file = run_dir / f"scheduler-{node}.session"

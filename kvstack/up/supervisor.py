@@ -4,7 +4,9 @@
 (``kvstack up`` uses it; tests, the fault harness and ``kvstack serve`` can too):
 
 - ``start()`` starts the processes in order, each once the previous one
-  serves (it wrote its ready file) and answers its health check;
+  serves (it wrote its ready file) and answers its health check; those whose
+  spec ``starts_early`` (model_svc, which waits for its memsvc itself) are
+  spawned first of all, so their start-up overlaps the others';
 - ``poll()`` (``serve()`` calls it in a loop) reaps a process that exited,
   logs ``"memsvc exited with code -9; restarting in 0.5s (restart #1)"`` and
   starts it again after an exponential backoff with a cap (a process that
@@ -180,7 +182,8 @@ class Supervisor:
     # -- start -----------------------------------------------------------------
 
     def start(self, *, stop: threading.Event | None = None) -> None:
-        """Start every process in order, each once the previous one serves and is healthy.
+        """Start every process in order, each once the previous one serves and is healthy
+        (those that start early are spawned first, see the module docstring).
 
         Raises :class:`SupervisorError` (after stopping what it started) when
         one fails to come up within the policy's ready timeout, or when
@@ -189,8 +192,14 @@ class Supervisor:
         make_private_dirs(self.run_dir)
         self.status = "starting"
         try:
+            for managed in self.procs:  # a last run's, not to be taken for this one's
+                managed.spec.ready_file.unlink(missing_ok=True)
             for managed in self.procs:
-                self._spawn(managed)
+                if managed.spec.starts_early:
+                    self._spawn(managed)
+            for managed in self.procs:
+                if managed.proc is None:
+                    self._spawn(managed)
                 self._await_up(managed, stop)
         except BaseException:
             self.stop()

@@ -373,3 +373,47 @@ def test_restarts_back_off_exponentially_up_to_the_cap(run_dir: Path, caplog) ->
     assert len(pids) >= 5 and not [pid for pid in pids if pid_alive(pid)]
     state = read_state(run_dir)
     assert state["status"] == "stopped" and state["processes"][0]["last_exit_code"] in (3, -15)
+
+
+def waiting_spec(run_dir: Path, name: str, waits_for: Path, **kw) -> ProcessSpec:
+    """A process that writes ``NAME.started``, then, once ``waits_for`` exists, its ready
+    file with what ``waits_for`` held; then it sleeps until stopped."""
+    ready = run_dir / f"{name}.ready"
+    code = (
+        "import json, os, pathlib, time; "
+        f"pathlib.Path({str(run_dir / f'{name}.started')!r}).write_text('{{}}'); "
+        f"other = pathlib.Path({str(waits_for)!r}); "
+        "exec('while not other.exists(): time.sleep(0.02)'); "
+        f"pathlib.Path({str(ready)!r}).write_text("
+        "json.dumps({'pid': os.getpid(), 'saw': json.loads(other.read_text())})); "
+        "time.sleep(600)"
+    )
+    return ProcessSpec(
+        name,
+        "none",  # no health check
+        (sys.executable, "-c", code),
+        f"ipc://{run_dir}/{name}.sock",
+        ready,
+        run_dir / f"{name}.log",
+        **kw,
+    )
+
+
+def test_a_process_that_starts_early_overlaps_those_before_it(run_dir: Path) -> None:
+    """model_svc is spawned with memsvc and waits for memsvc's ready file itself: here
+    ``first`` is only ready once ``early`` has started, which a start in order would never
+    see (it would wait for ``first`` before spawning ``early``). A ready file a last run
+    left is removed first, so ``early`` waits for the new one."""
+    first = waiting_spec(run_dir, "first", run_dir / "early.started")
+    early = waiting_spec(run_dir, "early", first.ready_file, starts_early=True)
+    first.ready_file.write_text(json.dumps({"pid": 0}))  # stale, from a last run
+    policy = RestartPolicy(ready_timeout_s=60)
+    supervisor = Supervisor([first, early], run_dir, policy=policy, stop_timeout_s=5)
+    try:
+        supervisor.start()
+        assert supervisor.healthy()
+        assert supervisor["early"].info["saw"]["pid"] == supervisor.pid("first")
+        pids = supervisor.all_pids()
+    finally:
+        supervisor.stop()
+    assert len(pids) == 2 and not [pid for pid in pids if pid_alive(pid)]
