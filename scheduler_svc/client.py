@@ -50,6 +50,7 @@ from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys
 from scheduler_svc.generation import (
     DEFAULT_RESUBMITS,
+    Bootstrap,
     CacheKeys,
     Chunk,
     Fault,
@@ -131,13 +132,27 @@ class GenerateAPI(Generic[_Stream, _Result]):
         top_logprobs_num=0,
         cache_salt=None,
         extra_key=None,
+        bootstrap_room=None,
+        bootstrap_peer=None,
+        bootstrap_rid=None,
     ) -> _Stream:
         """Token chunks as they are generated, then the result."""
         logprobs = LogprobArgs(return_logprob, logprob_start_len, top_logprobs_num)
         keys = CacheKeys(cache_salt, extra_key)
+        bootstrap = Bootstrap(bootstrap_room, bootstrap_peer, bootstrap_rid)
         return self._stream(
             partial(
-                Generation, self, input_ids, text, sampling, rid, True, priority, logprobs, keys
+                Generation,
+                self,
+                input_ids,
+                text,
+                sampling,
+                rid,
+                True,
+                priority,
+                logprobs,
+                keys,
+                bootstrap,
             )
         )
 

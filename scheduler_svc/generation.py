@@ -92,6 +92,15 @@ class CacheKeys(NamedTuple):
     extra_key: str | None = None
 
 
+class Bootstrap(NamedTuple):
+    """A PD node's half of a request paired by SGLang's router (SMG), not kvstack's: its
+    ``bootstrap_room``, and on the prefill node the decode memsvc's transfer socket."""
+
+    bootstrap_room: int | None = None
+    bootstrap_peer: str | None = None
+    bootstrap_rid: str | None = None  # the decode node's rid for it (prefill node)
+
+
 def unpack_reply(frames: list[bytes]) -> dict[str, Any] | None:
     """A reply's header, or None for one damaged in transit (no reply, as if lost)."""
     try:
@@ -170,6 +179,7 @@ class Generation:
         priority: int | None,
         logprobs: LogprobArgs,
         keys: CacheKeys | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> None:
         self.address, self.resubmits = client.address, client.resubmits
         self.rid = rid or uuid.uuid4().hex
@@ -183,8 +193,9 @@ class Generation:
         }
         if logprobs.return_logprob:
             self.header.update(logprobs._asdict())
-        if keys is not None:
-            self.header.update({k: v for k, v in keys._asdict().items() if v is not None})
+        for fields in (keys, bootstrap):
+            if fields is not None:
+                self.header.update({k: v for k, v in fields._asdict().items() if v is not None})
         self.arrays = None
         if input_ids is not None:
             self.arrays = {"input_ids": np.asarray(input_ids, dtype=wire.ARRAY_DTYPE).reshape(-1)}

@@ -120,6 +120,7 @@ def new_req(
         priority=msg.priority,
         bootstrap_room=msg.bootstrap_room,
         bootstrap_rid=msg.bootstrap_rid,
+        bootstrap_peer=msg.bootstrap_peer,
         namespace=msg.namespace,
         return_logprob=msg.return_logprob,
         logprob_start_len=start,

@@ -116,6 +116,8 @@ class Generate(Message):
     bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
     # PD re-bootstrap: the decode side knows this request by another rid.
     bootstrap_rid: str | None = Field(default=None, min_length=1, max_length=256)
+    # PD behind SGLang's router (prefill node): the decode memsvc's transfer socket.
+    bootstrap_peer: str | None = Field(default=None, min_length=1, max_length=512)
     # Which cached KV the request may share (see the module docstring).
     cache_salt: CacheKey | None = None
     extra_key: CacheKey | None = None

@@ -33,6 +33,7 @@ from kvstack.serve.metrics import FrontMetrics, Scraper
 from kvstack.serve.openai.models import OpenAIServingModels
 from kvstack.serve.openai.serving_chat import OpenAIServingChat
 from kvstack.serve.openai.serving_completion import OpenAIServingCompletion
+from kvstack.serve.pairing import BOOTSTRAP_PATH, DecodePairing, PrefillPairing
 from kvstack.serve.request_path import RequestPath
 from kvstack.serve.sglang.admin import SGLangAdmin
 from kvstack.serve.sglang.generate import SGLangGenerate
@@ -51,6 +52,7 @@ class Backend:
     pids: dict[str, int] = field(default_factory=dict)  # started services, by name
     curve: CurveClientKeys | None = None  # the scheduler's CURVE, if it has it on
     served_model_name: str | None = None  # the scheduler's, when it was asked
+    transfer: str | None = None  # a decode node's memsvc --transfer-listen (behind SMG)
 
 
 class HttpFront:
@@ -88,6 +90,12 @@ class HttpFront:
             control_timeout_s=control_timeout_s,
         )
         self.scraper = Scraper(backend.metrics, self.metrics)
+        self.pairing: PrefillPairing | None = None
+        if mode == "prefill":
+            self.path.pairing = self.pairing = PrefillPairing()
+        elif mode == "decode":
+            assert backend.transfer is not None, "a decode node needs its transfer socket"
+            self.path.pairing = DecodePairing(backend.transfer)
 
     def app(self) -> web.Application:
         path, tokenizer, served = self.path, self.tokenizer, self.served_model_name
@@ -128,6 +136,8 @@ class HttpFront:
                 web.post("/v1/chat/completions", chat.create_chat_completion),
             ]
         )
+        if self.pairing is not None:  # the bootstrap port is this HTTP port (.pairing)
+            app.add_routes([web.post(BOOTSTRAP_PATH, self.pairing.register)])
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app

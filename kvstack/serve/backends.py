@@ -41,6 +41,8 @@ def start_stack(launcher: Any, mode: str, args: argparse.Namespace) -> Backend:
         return _start_normal(launcher, args)
     if mode == "pd":
         return _start_pd(launcher, args)
+    if mode in ("prefill", "decode"):
+        return _start_role(launcher, mode, args)
     raise ServeError(f"unknown --mode {mode!r}")
 
 
@@ -65,6 +67,38 @@ def _start_pd(launcher: Any, args: argparse.Namespace) -> Backend:
         metrics=metrics,
         checkpoint=model.checkpoint,
         pids={s.name: s.proc.pid for s in up.values()},
+    )
+
+
+def _start_role(launcher: Any, role: str, args: argparse.Namespace) -> Backend:
+    """One PD node for SGLang's router: memsvc with ``--pd-role`` (a decode node's
+    listening for KV on a socket in the run folder), scheduler_svc with ``--mode``."""
+    model = _stack_model(args)
+    options = transfer_options(args)
+    transfer = ["--pd-role", role]
+    for name in ("transfer_backend", "transfer_timeout"):
+        if name in options:
+            transfer += [f"--{name.replace('_', '-')}", str(options[name])]
+    listen = None
+    if role == "decode":
+        listen = f"ipc://{launcher.workdir}/transfer.sock"
+        transfer += ["--transfer-listen", listen]
+    mem, worker, sched = launcher.start_normal_stack(
+        model.checkpoint,
+        [*_pool(args, model), "--metrics-port", "0", *transfer],
+        [*_scheduler(args, model), "--metrics-port", "0", "--mode", role],
+        model=model.model_args,
+        log_level=args.log_level,
+    )
+    return Backend(
+        scheduler=sched.address,
+        metrics={
+            "memsvc": f"http://127.0.0.1:{mem.metrics_port}/metrics",
+            "scheduler": f"http://127.0.0.1:{sched.metrics_port}/metrics",
+        },
+        checkpoint=model.checkpoint,
+        pids={s.name: s.proc.pid for s in (mem, worker, sched)},
+        transfer=listen,
     )
 
 

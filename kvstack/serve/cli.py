@@ -111,9 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stack = parser.add_argument_group("stack")
     stack.add_argument(
         "--mode",
-        choices=["normal", "pd"],
+        choices=["normal", "pd", "prefill", "decode"],
         default="normal",
-        help="normal: one node; pd: prefill/decode disaggregation",
+        help="normal: one node; pd: prefill/decode disaggregation behind kvstack's router; "
+        "prefill, decode: one PD node behind SGLang's router, SMG (docs/cluster.md)",
     )
     stack.add_argument(
         "--scheduler",

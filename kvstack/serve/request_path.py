@@ -30,6 +30,7 @@ from kvstack.serve.connections import ConnectionGuard
 from kvstack.serve.errors import ApiError, http_status
 from kvstack.serve.limits import INLINE_PARSE_BYTES, OFFLOAD_CONCURRENCY, FrontLimits
 from kvstack.serve.metrics import FrontMetrics
+from kvstack.serve.pairing import NoPairing
 from kvstack.serve.sglang.cache_keys import KEY_FIELDS
 from kvstack.serve.streaming import Item
 from memsvc.client import PeerDeadError
@@ -71,6 +72,7 @@ class RequestPath:
         self._generate: AsyncGenerateClient | None = None
         self._control: AsyncGenerateClient | None = None
         self._max_context_len: int | None = None
+        self.pairing: Any = NoPairing()  # a PD node behind SMG: kvstack.serve.pairing
 
     async def open(self) -> None:
         # Generate replies can be silent for a whole prefill: a long timeout. info and
@@ -87,6 +89,7 @@ class RequestPath:
         )
 
     async def close(self) -> None:
+        await self.pairing.close()
         if self._background:
             await asyncio.wait(self._background, timeout=self.control_timeout_s)
         for client in (self._generate, self._control):
@@ -137,6 +140,7 @@ class RequestPath:
         }
         if rid in self._inflight:
             raise ApiError(400, "duplicate_rid", f"request {rid!r} is already running")
+        kwargs.update(await self.pairing.kwargs(one, rid))
         started = last = time.monotonic()
         first = True
         settled = False  # finished, or refused by the scheduler: nothing to abort

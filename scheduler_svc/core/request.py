@@ -95,6 +95,7 @@ class Req:
     # PD mode: the room that pairs this request's prefill and decode sides.
     bootstrap_room: int | None = None
     bootstrap_rid: str | None = None  # the decode side's rid, if not ``rid`` (re-bootstrap)
+    bootstrap_peer: str | None = None  # the decode memsvc's transfer socket, if not memsvc's
     # The cache namespace its KV is shared in (memsvc.namespace.namespace_of of its
     # cache_salt and extra_key, computed once at intake; "" the default). Kept through
     # retract, recovery and the PD hand-off: every memsvc row it opens is in it.

@@ -95,6 +95,7 @@ class PrefillEngine(Engine):
                 token,
                 cached_tokens=req.cached_tokens,
                 peer_rid=req.bootstrap_rid,
+                peer=req.bootstrap_peer,
             )
         except InvalidArgumentError as exc:  # e.g. the room is still held by a dead predecessor
             self.stats.transfer_failed += 1

@@ -169,6 +169,10 @@ class _Request(BaseModel):
     # strings, "" for none, as SGLang's OpenAI server takes them (a list is refused).
     cache_salt: str | None = Field(default=None, max_length=MAX_KEY_LEN)
     extra_key: str | None = Field(default=None, max_length=MAX_KEY_LEN)
+    # SGLang's PD pairing, which its router (SMG) adds (see GenerateOne)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
     sglang_defaults: ClassVar[dict[str, Any]] = {}
 
@@ -254,6 +258,9 @@ class ChatIn(_Request):
         return self
 
 
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
 def generate_ones(
     request: _Request,
     prompts: Sequence[dict[str, Any]],
@@ -273,6 +280,9 @@ def generate_ones(
             body["priority"] = request.priority
         for name in KEY_FIELDS:
             if getattr(request, name):  # "" is none, as in SGLang's _compute_extra_key
+                body[name] = getattr(request, name)
+        for name in BOOTSTRAP_FIELDS:
+            if getattr(request, name) is not None:
                 body[name] = getattr(request, name)
         if top_logprobs is not None:
             body.update(return_logprob=True, top_logprobs_num=top_logprobs)

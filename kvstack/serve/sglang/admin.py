@@ -31,7 +31,8 @@ HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
 # /model_info's disaggregation_mode, SGLang's values ("null", "prefill", "decode") by --mode.
 # In PD mode the front stands where SGLang's PD router does, and that router answers
 # /get_model_info with its first prefill server's: "prefill".
-DISAGGREGATION_MODE = {"normal": "null", "pd": "prefill"}
+# A prefill or decode node behind SGLang's router says its role, as SGLang's do.
+DISAGGREGATION_MODE = {"normal": "null", "pd": "prefill", "prefill": "prefill", "decode": "decode"}
 FLUSHED = (
     "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
     "waiting requests, the operation will not be performed.)\n"
@@ -107,6 +108,7 @@ class SGLangAdmin:
                 "served_model_name": self.served_model_name,
                 "scheduler_address": self.path.scheduler,
                 "incremental_streaming_output": self.incremental_streaming,
+                "disaggregation_mode": DISAGGREGATION_MODE[self.mode],  # SMG's worker label
                 "internal_states": [
                     {
                         k: info[k]

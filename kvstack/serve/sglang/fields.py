@@ -53,9 +53,6 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "lora_id": None,
     "custom_logit_processor": None,
     "positional_embed_overrides": None,
-    "bootstrap_host": None,
-    "bootstrap_port": None,
-    "bootstrap_room": None,
     "bootstrap_pair_key": None,
     "decode_tp_size": None,
     "routed_dp_rank": None,
@@ -103,6 +100,9 @@ GENERATE_HONOURED = (
     "no_logs",
     "cache_salt",
     "extra_key",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
 )
 
 # SGLang's SamplingParams, API fields then the internal ones normalize() fills in, with

@@ -81,6 +81,11 @@ class GenerateOne(BaseModel):
     # Which cached KV the request may share (:mod:`.cache_keys`; "" is None there).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LEN)
     extra_key: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LEN)
+    # SGLang's PD pairing, which its router (SMG) adds: honoured by a prefill or decode
+    # node (kvstack.serve.pairing), refused elsewhere.
+    bootstrap_host: str | None = Field(default=None, min_length=1, max_length=256)
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(default=None, ge=0, lt=2**63)
 
     @model_validator(mode="before")
     @classmethod
