@@ -15,6 +15,7 @@ from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.curve import CurveKeys, add_curve_arguments, curve_from_args
 from memsvc.gcpolicy import apply_gc_policy
 from memsvc.handlers import MemService
+from memsvc.kv_events import start_kv_events
 from memsvc.lifeline import die_with_parent
 from memsvc.limits import MessageLimit
 from memsvc.metrics import Metrics
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except MemsvcError as exc:
         print(f"memsvc: error: {exc}", file=sys.stderr)
         return 2
-    metrics_server = None
+    metrics_server = kv_events = None
     try:
         registry = None
         metrics_port = config.metrics.port
@@ -127,11 +128,17 @@ def main(argv: list[str] | None = None) -> int:
             service.transfer = make_transfer_agent(
                 config, args.allow_remote, pool, service.epoch, curve
             )
+        kv_events = start_kv_events(
+            config.kv_events_config, pool.tree, allow_remote=args.allow_remote
+        )
+        handle, tick = service.handle, service.expire_sessions
+        if kv_events is not None:  # one batch of events per request handled, and per tick
+            handle, tick = kv_events.after(handle), kv_events.after(tick)
         server = ServiceShell(
             "memsvc",
-            service.handle,
+            handle,
             listen,
-            tick=service.expire_sessions,
+            tick=tick,
             tick_interval_s=config.reap_interval,
             limit=MessageLimit(config.service.max_message_bytes),
             reject=service.reject,
@@ -148,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
+        if kv_events is not None:
+            kv_events.close()
         pool.close()
     return 0
 

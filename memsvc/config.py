@@ -24,6 +24,7 @@ from memsvc.core.layout import (
     hybrid_layout,
 )
 from memsvc.handlers import ServiceConfig
+from memsvc.kv_events import check_kv_events_config
 from memsvc.sessions import REPLY_CACHE_SIZE
 from memsvc.settings import setting
 from memsvc.transfer_backend import TransferBackend
@@ -33,6 +34,7 @@ MEMORY = "memory"
 HICACHE = "hierarchical cache (radix tree over device pool, host memory and storage)"
 PD = "PD disaggregation (KV transfer between two memsvc)"
 SERVICE = "service"
+EVENTS = "KV cache events (for KV-aware routers)"
 
 # PoolLayout is the core's; its flags (and memsvc's defaults for them) are declared here.
 LAYOUT_FLAGS = {
@@ -228,6 +230,16 @@ class MemsvcConfig:
         default_factory=MetricsConfig,
         metadata={"part": MetricsConfig, "group": SERVICE},
     )
+    kv_events_config: str | None = setting(
+        None,
+        "publish SGLang's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) "
+        "for KV-aware routers, configured as SGLang's flag: a JSON object, e.g. "
+        '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+        '"tcp://*:5558"}\' (docs/kv-events.md)',
+        metavar="JSON",
+        group=EVENTS,
+        forward=True,
+    )
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:
@@ -235,6 +247,7 @@ class MemsvcConfig:
         elif self.sliding_window:
             raise InvalidArgumentError("--sliding-window needs --layer-types")
         identity = self.identity  # a bad --model-digest is refused here
+        check_kv_events_config(self.kv_events_config)
         if self.hicache is not None and self.hicache.storage_keep:
             identity.require_model("--hicache-storage-keep")
         if self.hicache is not None and self.hicache.storage_backend == "mooncake":

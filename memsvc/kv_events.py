@@ -233,23 +233,37 @@ class KVEventPublisher:
         self._started.set()
         topic = self.config.topic.encode()
         buffer: deque[tuple[int, bytes]] = deque(maxlen=self.config.buffer_steps)
-        seq = 0
-        try:
+        next_seq = 0
+
+        def send_queued(first: tuple[float, list] | None) -> bool:
+            """Publish ``first`` and all queued after it; False once told to stop."""
+            nonlocal next_seq
+            item = first
             while True:
-                if replay is not None and replay.poll(0):
-                    self._serve_replay(replay, topic, buffer)
-                try:
-                    item = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    continue
                 if item is None:
-                    break
+                    return False
                 ts, events = item
                 payload = encode_batch(ts, events)
-                pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+                pub.send_multipart((topic, next_seq.to_bytes(8, "big"), payload))
                 if buffer.maxlen:
-                    buffer.append((seq, payload))
-                seq += 1
+                    buffer.append((next_seq, payload))
+                next_seq += 1
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return True
+
+        try:
+            running = True
+            while running:
+                with contextlib.suppress(queue.Empty):
+                    running = send_queued(self._queue.get(timeout=0.05))
+                while running and replay is not None and replay.poll(0):
+                    # A batch submitted before the request arrived is sent (and
+                    # buffered) before the request is answered.
+                    with contextlib.suppress(queue.Empty):
+                        running = send_queued(self._queue.get_nowait())
+                    self._serve_replay(replay, topic, buffer)
         except Exception:  # a bug: stop publishing, never the pool
             log.exception("KV events publisher failed; no more events are published")
         finally:

@@ -41,6 +41,7 @@ GROUPS: dict[tuple[str, str | None], str] = {
     (MEMSVC, memsvc_config.MEMORY): "KV pool and host store (memsvc)",
     (MEMSVC, memsvc_config.HICACHE): "hierarchical cache (memsvc)",
     (MEMSVC, memsvc_config.PD): PD_GROUP,
+    (MEMSVC, memsvc_config.EVENTS): "KV cache events (memsvc)",
     (SCHEDULER, None): "scheduling and retract (scheduler_svc)",
     (SCHEDULER, FAULTS): "fault tolerance (scheduler_svc)",
     (ROUTER, None): PD_GROUP,
