@@ -117,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="start N normal-mode nodes (each memsvc + model_svc + scheduler_svc + its HTTP "
         "front), the Mooncake master (their shared KV tier: hierarchical cache on, "
-        "--hicache-storage-backend mooncake) and SMG in front (docs/supervisor.md); --mode is "
-        "ignored",
+        "--hicache-storage-backend mooncake) and SMG in front (docs/supervisor.md); not with "
+        "--mode pd",
     )
     cluster.add_argument(
         "--prefill-nodes",
@@ -216,6 +216,8 @@ def build_specs(
     options = options_from_args(args)
     if args.nodes is None:
         return args.mode, options, build_process_list(args.mode, run_dir, options)
+    if args.mode != "normal":
+        raise StackUnavailableError(f"--nodes starts normal-mode nodes, not --mode {args.mode}")
     cluster = ClusterOptions(
         nodes=args.nodes,
         port=args.port,

@@ -205,3 +205,6 @@ def test_pd_nodes_are_refused_naming_what_is_missing(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stdout + result.stderr
     assert "bootstrap_room" in result.stderr and "--nodes" in result.stderr, result.stderr
     assert not (tmp_path / "state.json").exists()
+    result = kvstack("up", "--nodes", "2", "--mode", "pd", "--run-dir", str(tmp_path))
+    assert result.returncode == 2 and "--nodes starts normal-mode nodes" in result.stderr
+    assert not (tmp_path / "state.json").exists()
