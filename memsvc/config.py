@@ -235,7 +235,7 @@ class MemsvcConfig:
         "publish SGLang's KV cache events (BlockStored / BlockRemoved / AllBlocksCleared) "
         "for KV-aware routers, configured as SGLang's flag: a JSON object, e.g. "
         '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
-        '"tcp://*:5558"}\' (docs/kv-events.md)',
+        '"tcp://*:5558"}\' (docs/cluster.md)',
         metavar="JSON",
         group=EVENTS,
         forward=True,

@@ -49,6 +49,7 @@ from memsvc.server import check_listen_address
 log = logging.getLogger("memsvc.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+DEFAULT_ENDPOINT = "tcp://*:5557"  # SGLang's
 _BIND_MARKS = ("*", "::", "0.0.0.0")
 
 
@@ -57,7 +58,7 @@ class KVEventsConfig:
     """SGLang's ``KVEventsConfig``: the same keys, the same defaults."""
 
     publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = DEFAULT_ENDPOINT
     bind: bool | None = None
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
@@ -121,6 +122,31 @@ class KVEventsConfig:
         return any(m in self.endpoint for m in _BIND_MARKS) or self.endpoint.startswith(
             ("ipc://", "inproc://")
         )
+
+
+def _offset_endpoint(endpoint: str | None, index: int) -> str | None:
+    """SGLang's per-rank rule: a tcp port plus ``index``, an inproc name with ``_dp{index}``
+    (and here an ipc path with ``-{index}``); ``index`` 0 is the endpoint itself."""
+    if endpoint is None or index == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, port = endpoint.rsplit(":", 1)
+        return f"{base}:{int(port) + index}"
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{index}"
+    return f"{endpoint}-{index}"
+
+
+def kv_events_config_for_node(text: str, index: int) -> str:
+    """The ``--kv-events-config`` of node ``index`` of a cluster on one host: the
+    endpoints offset as SGLang offsets them per DP rank (node 0 keeps them)."""
+    raw = json.loads(text)
+    for name in ("endpoint", "replay_endpoint"):
+        default = DEFAULT_ENDPOINT if name == "endpoint" else None
+        raw[name] = _offset_endpoint(raw.get(name, default), index)
+    config = json.dumps(raw)
+    KVEventsConfig.parse(config)
+    return config
 
 
 def check_kv_events_config(text: str | None) -> None:

@@ -19,7 +19,12 @@ import zmq
 
 from memsvc.client import MemClient
 from memsvc.core.errors import InvalidArgumentError
-from memsvc.kv_events import END_SEQ, KVEventsConfig, start_kv_events
+from memsvc.kv_events import (
+    END_SEQ,
+    KVEventsConfig,
+    kv_events_config_for_node,
+    start_kv_events,
+)
 from tests.core.test_hicache import PAGE, finish, make_pool, run_request, seq
 from tests.kv_events_subscriber import CPU, GPU, BlockIndex, expected_blocks, sglang_page_hashes
 from tests.procs import REPO, SMALL_POOL
@@ -205,6 +210,20 @@ def test_sglang_defaults_and_bind_rule():
     assert not KVEventsConfig.parse('{"endpoint": "tcp://127.0.0.1:1"}').binds  # connects
     assert KVEventsConfig.parse('{"endpoint": "tcp://127.0.0.1:1", "bind": true}').binds
     assert KVEventsConfig.parse('{"endpoint": "ipc:///tmp/x"}').binds
+
+
+def test_each_node_of_a_cluster_gets_its_own_endpoints():
+    text = json.dumps({"publisher": "zmq", "replay_endpoint": "tcp://*:5600", "topic": "t"})
+    assert json.loads(kv_events_config_for_node(text, 0))["replay_endpoint"] == "tcp://*:5600"
+    node2 = json.loads(kv_events_config_for_node(text, 2))
+    assert node2 == {
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5559",  # SGLang's default 5557, plus 2
+        "replay_endpoint": "tcp://*:5602",
+        "topic": "t",
+    }
+    ipc = json.dumps({"publisher": "zmq", "endpoint": "ipc:///run/ev.sock"})
+    assert json.loads(kv_events_config_for_node(ipc, 1))["endpoint"] == "ipc:///run/ev.sock-1"
 
 
 def test_an_endpoint_in_use_is_refused_at_start(tmp_path):
