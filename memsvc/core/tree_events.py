@@ -76,18 +76,30 @@ NULL_TREE_EVENTS = NullTreeEvents()
 
 def page_digests(prev: bytes | None, key: np.ndarray, page_size: int) -> list[bytes]:
     """SGLang's page hash chain over ``key`` (whole pages) from ``prev``."""
+    if key.size and int(key.max()) > _UINT32_MAX:
+        return _wide_page_digests(prev, key, page_size)
+    data = key.astype("<u4").tobytes()  # one conversion, then plain byte slices
+    step = page_size * 4
+    sha256 = hashlib.sha256
+    out = []
+    for start in range(0, len(data), step):
+        page = data[start : start + step]
+        prev = sha256(prev + page if prev is not None else page).digest()
+        out.append(prev)
+    return out
+
+
+def _wide_page_digests(prev: bytes | None, key: np.ndarray, page_size: int) -> list[bytes]:
+    """:func:`page_digests` of a key with a token past uint32: such a page is a ``0xff``
+    byte and uint64s (SGLang's wide form), the others as usual."""
     out = []
     for start in range(0, len(key), page_size):
         page = key[start : start + page_size]
-        h = hashlib.sha256()
-        if prev is not None:
-            h.update(prev)
-        if page.size and (int(page.max()) > _UINT32_MAX):
-            h.update(b"\xff")
-            h.update(page.astype("<u8").tobytes())
+        if int(page.max()) > _UINT32_MAX:
+            data = b"\xff" + page.astype("<u8").tobytes()
         else:
-            h.update(page.astype("<u4").tobytes())
-        prev = h.digest()
+            data = page.astype("<u4").tobytes()
+        prev = hashlib.sha256(prev + data if prev is not None else data).digest()
         out.append(prev)
     return out
 
@@ -95,6 +107,11 @@ def page_digests(prev: bytes | None, key: np.ndarray, page_size: int) -> list[by
 def block_hash(digest: bytes) -> int:
     """The event's block hash: the digest's first 8 bytes, big-endian signed."""
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def block_hashes(digests: list[bytes]) -> list[int]:
+    """:func:`block_hash` of each digest (in one numpy pass)."""
+    return np.frombuffer(b"".join(d[:8] for d in digests), dtype=">i8").tolist()
 
 
 def namespace_seed(namespace: str) -> bytes | None:
@@ -125,7 +142,7 @@ class TreeEventRecorder(NullTreeEvents):
         parent_hash = None
         if parent is not None and parent is not self.root:
             parent_hash = block_hash(self._digests(parent)[-1])
-        hashes = [block_hash(d) for d in digests]
+        hashes = block_hashes(digests)
         medium = self.mediums[tier]
         tail = self._queue[-1] if self._queue else None
         if (
@@ -153,7 +170,7 @@ class TreeEventRecorder(NullTreeEvents):
         digests = self._digests(node)
         if not digests:
             return
-        hashes = [block_hash(d) for d in digests]
+        hashes = block_hashes(digests)
         medium = self.mediums[tier]
         tail = self._queue[-1] if self._queue else None
         if tail is not None and tail["type"] == "BlockRemoved" and tail["medium"] == medium:
