@@ -11,12 +11,15 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
+from memsvc import kv_events
 from memsvc.client import MemClient
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.kv_events import (
@@ -177,6 +180,34 @@ def test_replay_keeps_the_last_buffer_steps_batches(tmp_path):
     finally:
         publisher.close()
         ctx.destroy(linger=0)
+    finish(pool)
+
+
+def test_a_stuck_publisher_never_blocks_the_pool(tmp_path, monkeypatch):
+    """SGLang's publish waits on a full queue; memsvc's drops the batch and counts it."""
+    gate = threading.Event()
+    real_encode = kv_events.encode_batch
+
+    def stuck_encode(ts, events, dp_rank=0):
+        gate.wait(10)
+        return real_encode(ts, events, dp_rank)
+
+    monkeypatch.setattr(kv_events, "encode_batch", stuck_encode)
+    pool = make_pool(num_pages=8, host_pages=4)
+    publisher = start_kv_events(config(tmp_path, max_queue_size=1), pool.tree)
+    try:
+        deadline = time.monotonic() + 5
+        while publisher._queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread took the first batch and is stuck on it
+        for i in range(3):
+            started = time.monotonic()
+            run_request(pool, f"r{i}", seq(60 + i, 1))
+            publisher.flush()
+            assert time.monotonic() - started < 1.0
+        assert publisher.num_dropped_batches == 2  # one queued, two dropped
+    finally:
+        gate.set()
+        publisher.close()
     finish(pool)
 
 
