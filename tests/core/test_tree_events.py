@@ -191,3 +191,37 @@ def test_events_merge_as_sglangs():
     events = watch.recorder.take()
     assert [e["type"] for e in events] == ["AllBlocksCleared"]
     finish(pool)
+
+
+def test_sliding_window_pools_report_the_full_pool_tiers(tmp_path):
+    """A hybrid model's tree (full + SWA pools, hierarchical): the events follow each
+    node's full-pool KV in each tier; a window's SWA pages dropped (a tombstone) leave
+    the node's blocks on the device."""
+    from tests.core.test_swa_hicache import pool_of
+
+    pool = pool_of(storage_dir=tmp_path / "store")
+    watch = Watcher(pool)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 500, size=n).tolist() for n in (13, 21, 17, 9)]
+    for i, tokens in enumerate(prompts):
+        rid = f"r{i}"
+        pool.open_request(rid)
+        pool.match_prefix(rid, tokens[:-1])
+        assert pool.alloc_extend([(rid, len(tokens) - pool.request(rid).kv_len)]) is not None
+        pool.release(rid, tokens)
+        pool.settle_copies()
+        watch.sync()
+    pool.evict_swa(8)
+    watch.sync()
+    pool.evict(pool.evictable_size())
+    pool.settle_copies()
+    assert GPU not in watch.sync()
+    pool.open_request("back")
+    assert pool.match_prefix("back", prompts[1][:-1]) > 0  # loaded back from the host
+    pool.settle_copies()
+    pool.release("back", is_insert=False)
+    assert GPU in watch.sync()
+    pool.flush_cache()
+    pool.settle_copies()
+    assert watch.sync() == {}
+    finish(pool)
