@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -296,6 +297,18 @@ class KVEventPublisher:
             pub.close()  # LINGER: up to a second to send what is queued
             if replay is not None:
                 replay.close(0)
+            self._remove_ipc_files()
+
+    def _remove_ipc_files(self) -> None:
+        """Unlink the ``ipc://`` paths this publisher bound (libzmq leaves them)."""
+        config = self.config
+        bound = [config.replay_endpoint] if config.replay_endpoint else []
+        if config.binds:
+            bound.append(config.endpoint)
+        for address in bound:
+            if address.startswith("ipc://") and not address.startswith("ipc://@"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(address[len("ipc://") :])
 
     @staticmethod
     def _serve_replay(replay: zmq.Socket, topic: bytes, buffer: deque) -> None:

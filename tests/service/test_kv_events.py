@@ -180,6 +180,7 @@ def test_replay_keeps_the_last_buffer_steps_batches(tmp_path):
     finally:
         publisher.close()
         ctx.destroy(linger=0)
+    assert not list(tmp_path.glob("kv-*.sock"))  # the ipc paths it bound are gone
     finish(pool)
 
 
