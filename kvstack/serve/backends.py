@@ -147,6 +147,8 @@ def _scheduler(args: argparse.Namespace, model: StackModel) -> list[str]:
 
 
 def fronted_backend(args: argparse.Namespace, curve: CurveClientKeys | None) -> Backend:
+    if args.mode == "decode" and not args.transfer_listen:
+        raise ServeError("--mode decode with --scheduler needs --transfer-listen (its memsvc's)")
     metrics = {}
     for i, spec in enumerate(args.metrics_url):
         name, sep, url = spec.partition("=")
@@ -157,7 +159,14 @@ def fronted_backend(args: argparse.Namespace, curve: CurveClientKeys | None) -> 
         checkpoint, served = _fronted_checkpoint(args.model_path), None
     else:
         checkpoint, served = _scheduler_model(args.scheduler, curve, ready_timeout(args, None))
-    return Backend(args.scheduler, metrics, checkpoint, curve=curve, served_model_name=served)
+    return Backend(
+        args.scheduler,
+        metrics,
+        checkpoint,
+        curve=curve,
+        served_model_name=served,
+        transfer=args.transfer_listen,
+    )
 
 
 def _fronted_checkpoint(model_path: str) -> Path | None:

@@ -123,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="front the scheduler (or PD router) at this address instead of starting a stack",
     )
     stack.add_argument(
+        "--transfer-listen",
+        default=None,
+        metavar="ADDRESS",
+        help="with --scheduler and --mode decode: the decode memsvc's --transfer-listen, "
+        "which the prefill node is told to send the KV to (kvstack up --decode-nodes)",
+    )
+    stack.add_argument(
         "--metrics-url",
         action="append",
         default=[],

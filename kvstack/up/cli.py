@@ -42,7 +42,7 @@ from kvstack.stack.spec import (
     StackUnavailableError,
     build_process_list,
 )
-from kvstack.up.cluster import PD_MISSING, ClusterOptions, cluster_stack, workers_ready
+from kvstack.up.cluster import ClusterOptions, check_shape, cluster_stack, workers_ready
 from kvstack.up.supervisor import STATE_FILE, RestartPolicy, Supervisor, SupervisorError
 from memsvc.cli import LOG_FORMAT, make_private_dirs, open_private_log
 from memsvc.core.errors import InvalidArgumentError
@@ -125,11 +125,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="P",
-        help="PD mode under SMG: refused for now (kvstack's nodes do not pair by SMG's "
-        "bootstrap_room yet)",
+        help="PD mode instead of --nodes: P prefill nodes (each memsvc --pd-role prefill + "
+        "model_svc + scheduler_svc --mode prefill + its HTTP front; the shared tier on them), "
+        "the decode nodes (--decode-nodes) and SMG with --pd-disaggregation",
     )
     cluster.add_argument(
-        "--decode-nodes", type=int, default=None, metavar="D", help="see --prefill-nodes"
+        "--decode-nodes",
+        type=int,
+        default=None,
+        metavar="D",
+        help="with --prefill-nodes: D decode nodes (memsvc --pd-role decode listening for KV)",
     )
     cluster.add_argument(
         "--port", type=int, default=30000, help="with --nodes: SMG's HTTP port (0: a free one)"
@@ -211,20 +216,27 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
 def build_specs(
     args: argparse.Namespace, run_dir: Path
 ) -> tuple[str, StackOptions, list[ProcessSpec]]:
-    """(mode, options, process list): one stack, or with ``--nodes`` a cluster
-    (:mod:`kvstack.up.cluster`)."""
-    options = options_from_args(args)
-    if args.nodes is None:
+    """(mode, options, process list): one stack, or with ``--nodes`` (or
+    ``--prefill-nodes`` / ``--decode-nodes``) a cluster (:mod:`kvstack.up.cluster`)."""
+    if args.nodes is None and args.prefill_nodes is None and args.decode_nodes is None:
+        options = options_from_args(args)
         return args.mode, options, build_process_list(args.mode, run_dir, options)
     if args.mode != "normal":
-        raise StackUnavailableError(f"--nodes starts normal-mode nodes, not --mode {args.mode}")
+        raise StackUnavailableError(
+            "a cluster's nodes are given by --nodes or --prefill-nodes / --decode-nodes, "
+            f"not --mode {args.mode}"
+        )
     cluster = ClusterOptions(
-        nodes=args.nodes,
+        nodes=args.nodes or 0,
+        prefill_nodes=args.prefill_nodes or 0,
+        decode_nodes=args.decode_nodes or 0,
         port=args.port,
         policy=args.policy,
         smg_args=tuple(args.smg_arg),
         served_model_name=served_model_name(args),
     )
+    check_shape(cluster)  # before the model is looked at
+    options = options_from_args(args)
     return "cluster", options, cluster_stack(run_dir, options, cluster)
 
 
@@ -246,8 +258,6 @@ def await_workers(
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     try:
-        if args.prefill_nodes is not None or args.decode_nodes is not None:
-            raise StackUnavailableError(PD_MISSING)  # before a run dir is made
         run_dir = prepare_run_dir(args.run_dir)
         mode, options, specs = build_specs(args, run_dir)
     except StackUnavailableError as exc:
@@ -279,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         supervisor.start(stop=stop)
         if mode == "cluster":
-            await_workers(supervisor, args.nodes, supervisor.policy.ready_timeout_s, stop)
+            workers = (args.nodes or 0) + (args.prefill_nodes or 0) + (args.decode_nodes or 0)
+            await_workers(supervisor, workers, supervisor.policy.ready_timeout_s, stop)
     except SupervisorError as exc:
         print(f"kvstack up: error: {exc}", file=sys.stderr)
         return 1

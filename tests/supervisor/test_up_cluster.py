@@ -4,8 +4,10 @@ One cluster serves the module's tests, in order (``make test`` keeps a file's
 tests on one worker): ``kvstack status`` lists every process healthy; a request
 through SMG completes; a node's scheduler SIGKILLed, then another node's HTTP
 front, are restarted while requests keep completing through SMG, token for
-token; each node's pool ends whole; SIGTERM leaves no process (SMG and the master
-included) and no shared-memory segment. The cluster is always reaped, whatever
+token; each node's pool ends whole; a PD cluster (``--prefill-nodes 1
+--decode-nodes 1``, SMG with ``--pd-disaggregation``) answers as the normal one;
+SIGTERM leaves no process (SMG and the master included) and no shared-memory
+segment. The cluster is always reaped, whatever
 happens (:class:`~tests.supervisor.test_supervisor.UpProcess`).
 
 Needs the ``cluster`` extra (``smg``, ``mooncake-transfer-engine-non-cuda``).
@@ -187,6 +189,41 @@ def test_killed_processes_restart_while_smg_keeps_serving(cluster: Cluster) -> N
         assert tokens["available"] + tokens["evictable"] == CAPACITY, (i, tokens)
 
 
+def test_pd_cluster_pairs_under_smg(cluster: Cluster) -> None:
+    """``--prefill-nodes 1 --decode-nodes 1``: both PD nodes and SMG (--pd-disaggregation)
+    listed healthy, a request through SMG token-identical to the normal cluster's answer,
+    and a stop that leaves no process nor segment."""
+    run_dir = Path(tempfile.mkdtemp(prefix="kvpd-", dir="/tmp"))
+    pd = Cluster(run_dir, "--prefill-nodes", "1", "--decode-nodes", "1", "--port", "0", *POOL)
+    try:
+        wait_for(pd.healthy, 400, f"a healthy PD cluster:\n{pd.output()}")
+        wait_for(lambda: "cluster stack running" in pd.output(), 120, "SMG's workers ready")
+        names = [p["name"] for p in json.loads(status_of(pd, "--json").stdout)["processes"]]
+        services = ("memsvc", "model_svc", "scheduler_svc", "http")
+        assert names == [
+            "mooncake-master",
+            *(f"{node}/{s}" for node in ("prefill0", "decode0") for s in services),
+            "smg",
+        ]
+        with urllib.request.urlopen(f"{pd.url()}/workers", timeout=10) as response:
+            stats = json.load(response)["stats"]
+        assert (stats["prefill_count"], stats["decode_count"]) == (1, 1), stats
+        assert workers_ready(pd.url()) == (2, 2)
+        for text in PROMPTS[:2]:
+            assert post(pd.url(), text)["output_ids"] == post(cluster.url(), text)["output_ids"]
+        pids = pd.every_pid()
+        pd.proc.send_signal(signal.SIGTERM)
+        assert pd.proc.wait(120) == 0, pd.output()
+        assert not [pid for pid in pids if pid_alive(pid)]
+        assert not [n for n in list_segments() if segment_owner_pid(n) in pids]
+        assert not list(run_dir.rglob("*.sock")) and not list(run_dir.rglob("*.ready"))
+    finally:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pd.pids = pd.every_pid()
+        pd.reap()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def test_stop_leaves_no_process_and_no_segment(cluster: Cluster) -> None:
     pids = cluster.every_pid()
     assert len(pids) >= len(NAMES) + 2  # SMG's and the master's own processes too
@@ -198,13 +235,35 @@ def test_stop_leaves_no_process_and_no_segment(cluster: Cluster) -> None:
     assert not list(run_dir.rglob("*.sock")) and not list(run_dir.rglob("*.ready"))
 
 
-def test_pd_nodes_are_refused_naming_what_is_missing(tmp_path: Path) -> None:
-    result = kvstack(
-        "up", "--prefill-nodes", "1", "--decode-nodes", "2", "--run-dir", str(tmp_path)
-    )
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "bootstrap_room" in result.stderr and "--nodes" in result.stderr, result.stderr
-    assert not (tmp_path / "state.json").exists()
-    result = kvstack("up", "--nodes", "2", "--mode", "pd", "--run-dir", str(tmp_path))
-    assert result.returncode == 2 and "--nodes starts normal-mode nodes" in result.stderr
-    assert not (tmp_path / "state.json").exists()
+def test_bad_cluster_shapes_are_refused(tmp_path: Path) -> None:
+    for args, says in [
+        (("--prefill-nodes", "1"), "--prefill-nodes P and --decode-nodes D"),
+        (("--nodes", "2", "--decode-nodes", "1"), "--prefill-nodes P and --decode-nodes D"),
+        (("--nodes", "2", "--mode", "pd"), "not --mode pd"),
+    ]:
+        result = kvstack("up", *args, "--run-dir", str(tmp_path))
+        assert result.returncode == 2 and says in result.stderr, (args, result.stderr)
+        assert not (tmp_path / "state.json").exists()
+
+
+def test_each_node_gets_its_own_kv_events_endpoints(tmp_path: Path) -> None:
+    """A --kv-events-config given to a cluster: node I's endpoints offset by I (SGLang's
+    per-DP-rank offsets), so that every node's memsvc binds its own publisher."""
+    from kvstack.stack.spec import StackOptions
+    from kvstack.up.cluster import ClusterOptions, cluster_stack
+
+    smg_binary()
+    require_mooncake()
+    config = {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:41000"}
+    config["replay_endpoint"] = "tcp://127.0.0.1:42000"
+    options = StackOptions(memsvc_args=[*POOL, "--kv-events-config", json.dumps(config)])
+    specs = cluster_stack(tmp_path, options, ClusterOptions(prefill_nodes=1, decode_nodes=2))
+    seen = []
+    for spec in specs:
+        if spec.kind == "memsvc":
+            command = list(spec.command)
+            given = json.loads(command[command.index("--kv-events-config") + 1])
+            seen.append((given["endpoint"], given["replay_endpoint"]))
+    assert seen == [
+        (f"tcp://127.0.0.1:{41000 + i}", f"tcp://127.0.0.1:{42000 + i}") for i in range(3)
+    ]
