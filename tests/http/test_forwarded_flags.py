@@ -83,6 +83,8 @@ def not_default(flag: Flag) -> list[str]:
         return [flag.name]
     if flag.name == "--hicache-storage-backend":
         return [flag.name, "file"]  # one --hicache-storage-keep keeps (a directory)
+    if flag.name == "--kv-events-config":
+        return [flag.name, '{"publisher": "zmq", "endpoint": "ipc:///srv/kv-events"}']  # JSON
     if flag.choices:
         return [flag.name, next(c for c in reversed(flag.choices) if c != flag.default)]
     if flag.kind is float:
