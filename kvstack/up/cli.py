@@ -137,10 +137,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --prefill-nodes: D decode nodes (memsvc --pd-role decode listening for KV)",
     )
     cluster.add_argument(
-        "--port", type=int, default=30000, help="with --nodes: SMG's HTTP port (0: a free one)"
+        "--smg-port",
+        type=int,
+        default=30000,
+        help="with --nodes / --prefill-nodes: SMG's HTTP port, the cluster's API (0: a free one)",
     )
     cluster.add_argument(
-        "--policy",
+        "--smg-policy",
         default="cache_aware",
         help="with --nodes: SMG's routing policy (smg launch --policy)",
     )
@@ -230,8 +233,8 @@ def build_specs(
         nodes=args.nodes or 0,
         prefill_nodes=args.prefill_nodes or 0,
         decode_nodes=args.decode_nodes or 0,
-        port=args.port,
-        policy=args.policy,
+        port=args.smg_port,
+        policy=args.smg_policy,
         smg_args=tuple(args.smg_arg),
         served_model_name=served_model_name(args),
     )

@@ -106,7 +106,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         run_dir,
         "--nodes",
         str(NODES),
-        "--port",
+        "--smg-port",
         "0",
         *POOL,
         "--backoff-initial",
@@ -194,7 +194,7 @@ def test_pd_cluster_pairs_under_smg(cluster: Cluster) -> None:
     listed healthy, a request through SMG token-identical to the normal cluster's answer,
     and a stop that leaves no process nor segment."""
     run_dir = Path(tempfile.mkdtemp(prefix="kvpd-", dir="/tmp"))
-    pd = Cluster(run_dir, "--prefill-nodes", "1", "--decode-nodes", "1", "--port", "0", *POOL)
+    pd = Cluster(run_dir, "--prefill-nodes", "1", "--decode-nodes", "1", "--smg-port", "0", *POOL)
     try:
         wait_for(pd.healthy, 400, f"a healthy PD cluster:\n{pd.output()}")
         wait_for(lambda: "cluster stack running" in pd.output(), 120, "SMG's workers ready")
