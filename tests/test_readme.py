@@ -12,9 +12,12 @@ command gets a check too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,6 +96,16 @@ def parse(module: str, args: list[str]) -> None:
     parser.parse_args(args)
 
 
+@functools.cache
+def smg_launch_help() -> frozenset[str]:
+    """The flags of SMG's (the cluster extra's router) own ``smg launch --help``."""
+    smg = Path(sys.executable).parent / "smg"
+    assert smg.exists(), f"{smg} is missing: the cluster extra is not installed"
+    out = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return frozenset(re.findall(r"--[a-z0-9-]+", out.stdout))
+
+
 def check(words: list[str]) -> None:
     program, args = words[0].removeprefix(".venv/bin/"), words[1:]
     if program == "make":
@@ -122,6 +135,11 @@ def check(words: list[str]) -> None:
             services.update(yaml.safe_load((REPO / path).read_text())["services"])
         profiles = {p for s in services.values() for p in s.get("profiles", [])}
         assert profile in profiles
+    elif program == "smg":
+        assert args[:1] == ["launch"], f"smg has no subcommand {args[:1]}"
+        usage = smg_launch_help()
+        unknown = [a for a in args if a.startswith("--") and a not in usage]
+        assert not unknown, f"smg launch has no flags {unknown}"
     elif program == "curl":
         assert re.search(r"localhost:\d+/", " ".join(args))
     else:

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from kvstack.serve.body import decode_json, read_body
+from kvstack.serve.cache_keys import KEY_FIELDS
 from kvstack.serve.connections import ConnectionGuard
 from kvstack.serve.errors import ApiError, http_status
 from kvstack.serve.limits import INLINE_PARSE_BYTES, OFFLOAD_CONCURRENCY, FrontLimits
 from kvstack.serve.metrics import FrontMetrics
 from kvstack.serve.pairing import NoPairing
-from kvstack.serve.sglang.cache_keys import KEY_FIELDS
 from kvstack.serve.streaming import Item
 from memsvc.client import PeerDeadError
 from memsvc.curve import CurveClientKeys

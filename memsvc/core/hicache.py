@@ -87,10 +87,11 @@ from memsvc.core.allocator import OWNER_TREE, SLOT_DTYPE
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.evict_heap import EvictionHeap
 from memsvc.core.hicache_config import HiCacheConfig, WritePolicy
-from memsvc.core.hicache_tiers import HiCacheStats, HostTier, page_hash_chain
+from memsvc.core.hicache_tiers import HiCacheStats, HostTier
 from memsvc.core.hicache_tree import HiTreeNode, TieredTree
 from memsvc.core.prefix_cache import CacheHit
 from memsvc.core.radix_cache import MatchResult, TreeNode, check_namespace
+from memsvc.core.storage.chain import page_hash_chain
 from memsvc.core.tree_events import DEVICE
 from memsvc.namespace import DEFAULT_NAMESPACE
 

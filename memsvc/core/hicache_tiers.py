@@ -13,7 +13,6 @@ naming the good pages before it); a page write that fails is queued in
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
@@ -96,18 +95,6 @@ class HostTier:
 
     def free_list(self) -> np.ndarray:
         return self._free[: self._num_free].copy()
-
-
-def page_hash_chain(prev: str, tokens: np.ndarray, page_size: int) -> list[str]:
-    """Storage keys of consecutive pages: each hashes the previous key and its page's tokens."""
-    out = []
-    for start in range(0, len(tokens), page_size):
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(prev.encode())
-        digest.update(np.ascontiguousarray(tokens[start : start + page_size]).tobytes())
-        prev = digest.hexdigest()
-        out.append(prev)
-    return out
 
 
 class TierCopies:

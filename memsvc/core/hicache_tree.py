@@ -29,9 +29,10 @@ from memsvc.core.evict_heap import EvictionHeap, lru_rank
 from memsvc.core.fence import CopyFence
 from memsvc.core.hicache_config import HiCacheConfig
 from memsvc.core.hicache_cost import LoadCostModel
-from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies, page_hash_chain
+from memsvc.core.hicache_tiers import HiCacheStats, HostTier, TierCopies
 from memsvc.core.radix_cache import RadixCache, TreeNode
 from memsvc.core.storage import StorageBackend, create_storage
+from memsvc.core.storage.chain import page_hash_chain
 from memsvc.core.storage.kept import KeptPages, shared_run
 from memsvc.core.tree_events import DEVICE, HOST, STORAGE
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from memsvc.core import KVPool, PoolLayout
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.hicache import HiCacheConfig
-from memsvc.core.hicache_tiers import page_hash_chain
+from memsvc.core.storage.chain import page_hash_chain
 from memsvc.namespace import DEFAULT_NAMESPACE, namespace_label, namespace_of
 
 PAGE = 4

@@ -26,8 +26,8 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvstack.serve.cache_keys import KEY_FIELDS, MAX_KEY_LEN
 from kvstack.serve.errors import ApiError
-from kvstack.serve.sglang.cache_keys import KEY_FIELDS, MAX_KEY_LEN
 from kvstack.serve.sglang.fields import (
     FRONT_SAMPLING,
     MAX_N,

@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvstack.serve.cache_keys import KEY_FIELDS, split_keys
 from kvstack.serve.errors import ApiError
 from kvstack.serve.metrics import Scraper
 from kvstack.serve.request_path import NO_RESULT, RequestPath
-from kvstack.serve.sglang.cache_keys import KEY_FIELDS, split_keys
 from kvstack.serve.sglang.protocol import AbortIn, GenerateOne, validate_body
 from scheduler_svc.client import GenerateResult
 

@@ -20,9 +20,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvstack.serve.body import check_batch
+from kvstack.serve.cache_keys import KEY_FIELDS, MAX_KEY_LEN, split_keys
 from kvstack.serve.errors import ApiError, validation_message
 from kvstack.serve.limits import DEFAULT_MAX_BATCH_REQUESTS
-from kvstack.serve.sglang.cache_keys import KEY_FIELDS, MAX_KEY_LEN, split_keys
 from kvstack.serve.sglang.fields import (
     ABORT_DEFAULTS,
     GENERATE_DEFAULTS,

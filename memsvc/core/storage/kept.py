@@ -2,7 +2,7 @@
 
 The tree finds storage pages through its nodes; after a restart it has none, so
 the kept directory's page names are its index: a match that runs past the tree
-continues the prefix's hash chain (:func:`~memsvc.core.hicache_tiers.page_hash_chain`,
+continues the prefix's hash chain (:func:`~memsvc.core.storage.chain.page_hash_chain`,
 seeded by the namespace's :meth:`~memsvc.core.identity.KVIdentity.storage_seed`)
 page by page while each key is kept, and the tree adopts that run as a
 storage-only node (it leaves this index then). A kept page of another model,
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from memsvc.core.hicache_tiers import page_hash_chain
+from memsvc.core.storage.chain import page_hash_chain
 
 if TYPE_CHECKING:
     from memsvc.core.storage.base import StorageBackend
