@@ -258,6 +258,11 @@ class _Collector:
             value=s.storage_write_bytes,
         )
         yield counter(
+            "kvstack_hicache_storage_written_bytes",
+            "Bytes whose host -> storage write completed (storage_write_bytes are issued)",
+            value=s.storage_written_bytes,
+        )
+        yield counter(
             "kvstack_hicache_storage_read_bytes",
             "Bytes read storage -> device",
             value=s.storage_read_bytes,

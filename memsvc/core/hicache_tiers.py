@@ -42,7 +42,8 @@ class HiCacheStats:
     backup_bytes: int = 0
     backup_tokens: int = 0
     backup_seconds: float = 0.0
-    storage_write_bytes: int = 0
+    storage_write_bytes: int = 0  # issued to the copy thread
+    storage_written_bytes: int = 0  # whose write completed (on the copy thread)
     storage_read_bytes: int = 0
     storage_seconds: float = 0.0
     dropped_tokens: int = 0
@@ -206,6 +207,7 @@ class TierCopies:
                 log.warning("hicache storage: writing page %s failed: %s", key, exc)
                 self.failed_writes.append(keys)
                 break
+            self.stats.storage_written_bytes += self.host.page_bytes
         self.stats.storage_seconds += time.perf_counter() - started
 
     def _job_from_storage(

@@ -8,10 +8,14 @@ A's. Both nodes end idle (every page free or cached), the master is always reape
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
+import time
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from model_svc.tiny import write_tiny_checkpoint
 from tests.http.test_http_front import start_front, stop_and_check_clean
@@ -38,6 +42,38 @@ def details(reply: dict) -> dict[str, int]:
     return reply["meta_info"].get("cached_tokens_details") or {}
 
 
+def storage_writes(front) -> tuple[float, float]:
+    """Node ``front``'s storage writes: (bytes issued, bytes whose write completed)."""
+
+    async def scrape() -> str:
+        async with aiohttp.ClientSession() as http, http.get(f"{front.url}/metrics") as response:
+            return await response.text()
+
+    values = {
+        s.name: s.value
+        for f in text_string_to_metric_families(asyncio.run(scrape()))
+        for s in f.samples
+        if s.name.startswith("kvstack_hicache_storage_writ")
+    }
+    issued = values.get("kvstack_hicache_storage_write_bytes_total", 0.0)
+    return issued, values.get("kvstack_hicache_storage_written_bytes_total", 0.0)
+
+
+def wait_for_storage_writes(front, timeout_s: float = 60.0) -> None:
+    """Wait until every page ``front`` issued to the shared tier is in it: its copy
+    thread writes after the request has answered."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        issued, written = storage_writes(front)
+        if issued > 0 and written >= issued:
+            return
+        assert time.monotonic() < deadline, (
+            f"node {front.url}'s storage writes did not complete in {timeout_s} s: "
+            f"{written:.0f} of {issued:.0f} bytes written"
+        )
+        time.sleep(0.05)
+
+
 def check_pool(front) -> None:
     tokens = memsvc_tokens(front)
     assert tokens.get("used", 0) == 0, tokens
@@ -59,6 +95,7 @@ def test_a_prompt_prefilled_on_node_a_is_a_storage_hit_on_node_b(tmp_path, monke
             text = "kvstack nodes share one tier on Mooncake Store. " * 4
             first = generate(a, text)
             assert not details(first).get("storage"), first["meta_info"]
+            wait_for_storage_writes(a)
             again = generate(b, text)
             prompt = int(again["meta_info"]["prompt_tokens"])
             storage = details(again).get("storage", 0)
