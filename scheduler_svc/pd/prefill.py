@@ -125,6 +125,8 @@ class PrefillEngine(Engine):
     async def _abort(self, req: Req, message: str, status_code: int) -> None:
         room = req.bootstrap_room
         if room is not None and self.inflight.get(room) is req:
+            if await self._sent_anyway(req, room):
+                return
             del self.inflight[room]
             try:
                 await self.mem.pd_forget([room])
@@ -132,6 +134,27 @@ class PrefillEngine(Engine):
                 abort_locally(self, req, message, status_code)
                 raise
         await super()._abort(req, message, status_code)
+
+    async def _sent_anyway(self, req: Req, room: int) -> bool:
+        """An abort of ``req`` came while its KV was on the wire (the router aborts
+        what a flight leaves here when its decode side ends, which can be before
+        the decode side's ack reached memsvc-P): if the transfer succeeded, ``req``
+        finishes as sent, its KV into the tree; if it is still transferring, it
+        stays in flight until the transfer settles (bounded by memsvc's peer
+        timeout). True unless the abort should go ahead and free its KV."""
+        try:
+            (report,) = await self.mem.pd_status([room])
+        except MemsvcError:
+            return False
+        if report["state"] == KVPoll.TRANSFERRING:
+            return True
+        if report["state"] != KVPoll.SUCCESS:
+            return False
+        await self.mem.pd_forget([room])
+        del self.inflight[room]
+        req.check_finished(self.eos_token_ids)
+        await self._finish_many([req])
+        return True
 
     # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
 

@@ -221,5 +221,6 @@ def test_pd_mode_keeps_tenants_apart(pd_server: Front) -> None:
     status, reply = post(pd_server, "/flush_cache", {"cache_salt": "tenant-a"})
     assert status == 200, reply
     assert_no_hit(generate(pd_server, text, cache_salt="tenant-a"))
-    # Whether B's copy outlives A's flush is checked in normal mode only: on the PD
-    # prefill node it was seen gone after A's re-prefill (an eviction, not yet understood).
+    # B's copy outlives A's flush and A's re-prefill (it went missing in about 1 run of
+    # 3 while an abort from the router could free a sent request's KV unpublished).
+    assert hits(generate(pd_server, text, cache_salt="tenant-b"))[0] > 0

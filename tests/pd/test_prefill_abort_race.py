@@ -1,0 +1,116 @@
+"""An abort that reaches the prefill node while its KV is on the wire keeps the prefix cache.
+
+The router aborts what a flight leaves on the prefill node when the decode side
+ends. With one output token the decode side can end before memsvc-P has the
+decode side's ack, so the abort used to find the request still in flight and
+free its KV unpublished: the next request with that prompt missed the prefill
+node's prefix cache (``cached_tokens`` 0, seen in about 1 PD run of 3 of
+tests/http/test_tenancy_smollm2.py). A transfer that succeeds, before or after
+the abort, now publishes the KV; one that fails, or never started, is freed.
+
+In process: the prefill engine over a real memsvc core, the fake model of the
+engine tests, and a transfer whose state the test sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from memsvc.core import KVPool
+from memsvc.handlers import MemService, ServiceConfig
+from memsvc.transfer import KVPoll
+from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
+from scheduler_svc.pd.prefill import PrefillEngine
+from tests.helpers import small_layout
+from tests.scheduler.engine_harness import FakeModel, InProcessMem
+
+PAGE, NUM_PAGES = 4, 16  # a 64-token pool
+PROMPT = 17  # four whole pages cached after the transfer
+
+
+class HeldTransfer(InProcessMem):
+    """memsvc-P whose rooms stay in the state the test last set."""
+
+    state = KVPoll.TRANSFERRING
+
+    async def pd_send(self, rid: str, room: int, *args, **kwargs) -> None:
+        return None
+
+    async def pd_status(self, rooms) -> list[dict]:
+        return [{"room": r, "state": self.state, "why": "test"} for r in rooms]
+
+    async def pd_forget(self, rooms) -> None:
+        return None
+
+
+@pytest.fixture
+def service() -> Iterator[MemService]:
+    layout = small_layout(page_size=PAGE, num_pages=NUM_PAGES, max_context_len=512)
+    service = MemService(KVPool(layout), ServiceConfig(retract_decode_steps=20))
+    yield service
+    service.pool.close()
+
+
+def _run(service: MemService, settle_before: KVPoll, settle_after: KVPoll | None):
+    """Prefill one request, abort it in flight with its room ``settle_before``, then
+    (if given) settle the room as ``settle_after``; the request's end and the tokens
+    cached on the device."""
+
+    async def scenario() -> tuple[Req, int]:
+        ended: dict[str, Req] = {}
+        mem = await HeldTransfer.connect(service)
+        engine = PrefillEngine(
+            SchedulerConfig(page_size=PAGE, max_running_requests=8),
+            mem,
+            FakeModel(service.pool.table.array),
+            lambda req, finished: ended.update({req.rid: req}) if finished else None,
+            capacity=service.pool.capacity,
+        )
+        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
+        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
+        for _ in range(20):
+            await engine.step()
+            if engine.inflight:
+                break
+        assert 7 in engine.inflight, "the request never reached its transfer"
+        mem.state = settle_before
+        assert engine.abort("r", "the decode side ended", 499)
+        await engine.step()
+        if settle_after is not None:
+            mem.state = settle_after
+            for _ in range(20):
+                if engine.idle:
+                    break
+                await engine.step()
+        assert engine.idle, f"the request is still held: {engine.inflight}"
+        await mem.check(idle=True)
+        return ended["r"], service.pool.evictable_size()
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [(KVPoll.SUCCESS, None), (KVPoll.TRANSFERRING, KVPoll.SUCCESS)],
+    ids=["acked-before-the-abort", "acked-after-the-abort"],
+)
+def test_a_sent_request_is_cached_despite_the_abort(service, before, after) -> None:
+    req, cached = _run(service, before, after)
+    assert req.state is ReqState.FINISHED, req.finish_reason
+    assert cached == PROMPT // PAGE * PAGE, f"{cached} tokens cached, the prompt not published"
+    service.pool.check_integrity(idle=True)
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [(KVPoll.BOOTSTRAPPING, None), (KVPoll.TRANSFERRING, KVPoll.FAILED)],
+    ids=["not-sent", "failed-after-the-abort"],
+)
+def test_an_unsent_request_is_freed(service, before, after) -> None:
+    req, cached = _run(service, before, after)
+    assert req.state is ReqState.ABORTED
+    assert cached == 0, f"{cached} tokens of an unsent request cached"
+    service.pool.check_integrity(idle=True)
