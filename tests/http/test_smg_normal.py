@@ -269,22 +269,41 @@ def _kill_under_smg(router: Smg, survivor: Front, doomed: Front) -> None:
         for i in range(4)
     ]
 
-    async def running(http: aiohttp.ClientSession, front: Front) -> int:
+    async def server_info(http: aiohttp.ClientSession, front: Front) -> dict:
         async with http.get(f"{front.url}/server_info") as response:
-            info = await response.json()
+            return await response.json()
+
+    async def running(http: aiohttp.ClientSession, front: Front) -> int:
+        info = await server_info(http, front)
         return info.get("num_running", 0) + info.get("num_waiting", 0)
+
+    async def served(http: aiohttp.ClientSession, front: Front) -> int:
+        """Requests ``front`` has running, waiting or finished."""
+        info = await server_info(http, front)
+        finished = info["stats"]["finished_reqs"]
+        return info.get("num_running", 0) + info.get("num_waiting", 0) + finished
 
     async def go() -> tuple[list, list, list, int]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
             want = await asyncio.gather(
                 *(post(http, survivor.url + "/generate", {**b, "stream": False}) for b in bodies)
             )
+            before = await served(http, survivor)
             tasks = [asyncio.ensure_future(post(http, router.url + "/generate", b)) for b in bodies]
-            deadline = time.monotonic() + 30
-            while await running(http, doomed) == 0 or await running(http, survivor) == 0:
-                assert time.monotonic() < deadline, "the requests did not reach both nodes"
+            # Both nodes got some (not necessarily at the same moment: on a loaded machine
+            # the survivor's may be done before the doomed node's start), and the doomed
+            # node is running its own when it is killed.
+            deadline = time.monotonic() + 60
+            while True:
+                survivor_had = await served(http, survivor) > before
+                on_doomed = await running(http, doomed)
+                if survivor_had and on_doomed:
+                    break
+                assert time.monotonic() < deadline, (
+                    f"the requests did not reach both nodes: survivor had some {survivor_had}, "
+                    f"the doomed node runs {on_doomed}"
+                )
                 await asyncio.sleep(0.05)
-            on_doomed = await running(http, doomed)
             doomed.proc.send_signal(signal.SIGKILL)
             got = await asyncio.gather(*tasks, return_exceptions=True)
             after = [
