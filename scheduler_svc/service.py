@@ -9,7 +9,8 @@ work it has, see :mod:`scheduler_svc.stall`). A ``generate`` passes
 message, and the clamp that lets one request alone always fit) and is
 answered through :mod:`scheduler_svc.replies`. ``flush_cache`` requests wait
 for the loop's next turn and flush memsvc's prefix tree only if no request is
-running or waiting.
+running or waiting (an engine left with work that ends by itself, such as queued
+aborts or a PD prefill node's transfers in flight, gets up to FLUSH_SETTLE_S first).
 
 Faults: a step that fails because a peer failed goes to
 :class:`scheduler_svc.recovery.Recovery`, which has the engine repair its
@@ -64,6 +65,7 @@ from scheduler_svc.stall import StallWatch
 log = logging.getLogger("scheduler_svc")
 
 IDLE_WAIT_S = 0.5
+FLUSH_SETTLE_S = 1.0  # a full flush_cache waits this long at most for a settling engine
 
 
 class SchedulerService:
@@ -111,7 +113,8 @@ class SchedulerService:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         # flush_cache requests (identity, op_id, namespace or None: all), run between steps
-        self._flushes: list[tuple[bytes, int, str | None]] = []
+        # (a full one waits up to FLUSH_SETTLE_S while the engine is settling)
+        self._flushes: list[tuple[bytes, int, str | None, float]] = []
         self.stall = StallWatch()
         engine.emit = self._emit
         # A restarted scheduler's adopted requests wait for their clients (scheduler_svc.adopt).
@@ -202,15 +205,19 @@ class SchedulerService:
         flush runs whatever runs: memsvc evicts that namespace's unlocked KV, in every
         tier; what its running requests hold is theirs until they end."""
         while self._flushes:
-            identity, op_id, namespace = self._flushes.pop(0)
+            identity, op_id, namespace, since = self._flushes[0]
             engine = self.engine
+            busy = namespace is None and (engine.reqs or not engine.idle)
+            if busy and engine.settling() and time.monotonic() - since < FLUSH_SETTLE_S:
+                return  # work about to end by itself: ask again after the next step
+            self._flushes.pop(0)
             if namespace is not None:
                 try:
                     evicted = await engine.mem.flush_cache(namespace=namespace)
                     flushed, message = True, f"Cache flushed ({evicted} tokens evicted)."
                 except (MemsvcError, PeerDeadError) as exc:
                     flushed, message = False, f"Cache not flushed: {exc}"
-            elif engine.reqs or not engine.idle:
+            elif busy:
                 num_running = len(engine.running)
                 flushed, message = (
                     False,
@@ -253,7 +260,7 @@ class SchedulerService:
         if msg.op == "info":
             return wire.pack({"ok": True, "op_id": msg.op_id, **self.info()})
         if msg.op == "flush_cache":
-            self._flushes.append((identity, msg.op_id, msg.namespace))
+            self._flushes.append((identity, msg.op_id, msg.namespace, time.monotonic()))
             return None
         if msg.op == "abort":
             waiter = self._waiters.get(msg.rid)

@@ -91,6 +91,11 @@ class EngineBase:
         """How long the loop may sleep when a step did nothing (PD: transfers to poll)."""
         return default
 
+    def settling(self) -> bool:
+        """Not idle, but only with work that ends by itself within a step or two
+        (queued commands): a full ``flush_cache`` waits for it a moment, not refused."""
+        return bool(self._commands) and not (self.waiting or self.running or self.chunked)
+
     async def _apply_commands(self) -> None:
         while self._commands:
             kind, item = self._commands.popleft()

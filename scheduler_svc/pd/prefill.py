@@ -43,6 +43,13 @@ class PrefillEngine(Engine):
     def idle_wait_s(self, default: float) -> float:
         return TRANSFER_POLL_S if self.inflight else default
 
+    def settling(self) -> bool:
+        """Also with transfers in flight alone: the router aborts what a flight leaves
+        here before it answers the client, and such an abort waits for the decode side's
+        ack (:meth:`_sent_anyway`), so a flush right after the last reply can meet it."""
+        busy = self.waiting or self.running or self.chunked
+        return super().settling() or (bool(self.inflight) and not busy)
+
     async def step(self) -> bool:
         await self._apply_commands()
         did = await self._prefill_round()

@@ -15,6 +15,7 @@ engine tests, and a transfer whose state the test sets.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -113,4 +114,100 @@ def test_an_unsent_request_is_freed(service, before, after) -> None:
     req, cached = _run(service, before, after)
     assert req.state is ReqState.ABORTED
     assert cached == 0, f"{cached} tokens of an unsent request cached"
+    service.pool.check_integrity(idle=True)
+
+
+def test_a_flush_right_after_the_abort_waits_for_the_transfer(service) -> None:
+    """The router aborts the prefill side, then answers the client, who flushes at once:
+    the prefill node, its transfer still waiting for the ack, must not refuse the flush
+    (it did, "pending requests", in about 1 of 2 PD runs with one torch thread)."""
+    from memsvc.protocol import unpack
+    from model_svc.tokenizer import ByteTokenizer
+    from scheduler_svc.service import SchedulerService
+
+    async def scenario() -> dict:
+        mem = await HeldTransfer.connect(service)
+        engine = PrefillEngine(
+            SchedulerConfig(page_size=PAGE, max_running_requests=8),
+            mem,
+            FakeModel(service.pool.table.array),
+            lambda req, finished: None,
+            capacity=service.pool.capacity,
+        )
+        front = SchedulerService(
+            engine,
+            "ipc:///nonexistent/kvstack-flush-settle.sock",
+            tokenizer=ByteTokenizer(),
+            capacity=service.pool.capacity,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+        )
+        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
+        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
+        for _ in range(20):
+            await engine.step()
+            if engine.inflight:
+                break
+        assert engine.abort("r", "the decode side ended", 499)
+        front._flushes.append((b"client", 1, None, time.monotonic()))
+        await front._flush_cache()
+        assert front._flushes, "a flush answered while a transfer was about to settle"
+        assert front._outbox.empty()
+        mem.state = KVPoll.SUCCESS  # the ack arrives
+        for _ in range(20):
+            await engine.step()
+            await front._flush_cache()
+            if not front._flushes:
+                break
+        _, *frames = front._outbox.get_nowait()
+        await mem.check(idle=True)
+        return unpack(frames)
+
+    reply = asyncio.run(scenario())
+    assert reply["flushed"], reply
+    assert service.pool.evictable_size() == 0  # the published prompt, flushed
+    service.pool.check_integrity(idle=True)
+
+
+def test_a_flush_meeting_running_work_is_refused_at_once(service) -> None:
+    """Settling is for work that ends by itself: a queued request is refused as before."""
+    from model_svc.tokenizer import ByteTokenizer
+    from scheduler_svc.service import SchedulerService
+
+    async def scenario() -> bool:
+        mem = await HeldTransfer.connect(service)
+        engine = PrefillEngine(
+            SchedulerConfig(page_size=PAGE, max_running_requests=8),
+            mem,
+            FakeModel(service.pool.table.array),
+            lambda req, finished: None,
+            capacity=service.pool.capacity,
+        )
+        front = SchedulerService(
+            engine,
+            "ipc:///nonexistent/kvstack-flush-refused.sock",
+            tokenizer=ByteTokenizer(),
+            capacity=service.pool.capacity,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+        )
+        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
+        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
+        await engine.step()  # prefilled, sent: in flight
+        engine.submit(Req("q", list(range(1, PROMPT + 1)), params, bootstrap_room=8))
+        await engine._apply_commands()  # queued
+        front._flushes.append((b"client", 1, None, time.monotonic()))
+        await front._flush_cache()
+        refused = not front._flushes and not front._outbox.empty()
+        mem.state = KVPoll.SUCCESS  # both are sent and end
+        for _ in range(20):
+            if engine.idle:
+                break
+            await engine.step()
+        await mem.check(idle=True)
+        return refused
+
+    assert asyncio.run(scenario()), "a flush with a queued request was not answered at once"
     service.pool.check_integrity(idle=True)
