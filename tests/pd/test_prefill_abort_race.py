@@ -22,37 +22,69 @@ import pytest
 
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
+from memsvc.protocol import unpack
 from memsvc.transfer import KVPoll
+from model_svc.tokenizer import ByteTokenizer
 from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
 from scheduler_svc.pd.prefill import PrefillEngine
+from scheduler_svc.service import SchedulerService
 from tests.helpers import small_layout
-from tests.scheduler.engine_harness import FakeModel, InProcessMem
+from tests.pd.test_prefill_queue import NUM_PAGES, InstantTransfer
+from tests.scheduler.engine_harness import FakeModel
 
-PAGE, NUM_PAGES = 4, 16  # a 64-token pool
+PAGE = 4  # a 64-token pool, as tests/pd/test_prefill_queue.py's
 PROMPT = 17  # four whole pages cached after the transfer
+PARAMS = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
 
 
-class HeldTransfer(InProcessMem):
+class HeldTransfer(InstantTransfer):
     """memsvc-P whose rooms stay in the state the test last set."""
 
     state = KVPoll.TRANSFERRING
 
-    async def pd_send(self, rid: str, room: int, *args, **kwargs) -> None:
-        return None
-
     async def pd_status(self, rooms) -> list[dict]:
         return [{"room": r, "state": self.state, "why": "test"} for r in rooms]
-
-    async def pd_forget(self, rooms) -> None:
-        return None
 
 
 @pytest.fixture
 def service() -> Iterator[MemService]:
     layout = small_layout(page_size=PAGE, num_pages=NUM_PAGES, max_context_len=512)
-    service = MemService(KVPool(layout), ServiceConfig(retract_decode_steps=20))
+    service = MemService(KVPool(layout), ServiceConfig())
     yield service
     service.pool.close()
+
+
+def _engine(service: MemService, mem: HeldTransfer, ended: dict[str, Req]) -> PrefillEngine:
+    return PrefillEngine(
+        SchedulerConfig(page_size=PAGE, max_running_requests=8),
+        mem,
+        FakeModel(service.pool.table.array),
+        lambda req, finished: ended.update({req.rid: req}) if finished else None,
+        capacity=service.pool.capacity,
+    )
+
+
+async def _in_flight(engine: PrefillEngine, rid: str = "r", room: int = 7) -> None:
+    """``rid`` prefilled and its KV sent under ``room``."""
+    engine.submit(Req(rid, list(range(1, PROMPT + 1)), PARAMS, bootstrap_room=room))
+    for _ in range(20):
+        await engine.step()
+        if room in engine.inflight:
+            return
+    raise AssertionError(f"{rid} never reached its transfer")
+
+
+def _front(service: MemService, engine: PrefillEngine) -> SchedulerService:
+    """The scheduler service around ``engine`` (its flush path; no socket is opened)."""
+    return SchedulerService(
+        engine,
+        "ipc:///nonexistent/kvstack-flush-settle.sock",
+        tokenizer=ByteTokenizer(),
+        capacity=service.pool.capacity,
+        page_size=PAGE,
+        max_context_len=512,
+        vocab_size=256,
+    )
 
 
 def _run(service: MemService, settle_before: KVPoll, settle_after: KVPoll | None):
@@ -63,20 +95,8 @@ def _run(service: MemService, settle_before: KVPoll, settle_after: KVPoll | None
     async def scenario() -> tuple[Req, int]:
         ended: dict[str, Req] = {}
         mem = await HeldTransfer.connect(service)
-        engine = PrefillEngine(
-            SchedulerConfig(page_size=PAGE, max_running_requests=8),
-            mem,
-            FakeModel(service.pool.table.array),
-            lambda req, finished: ended.update({req.rid: req}) if finished else None,
-            capacity=service.pool.capacity,
-        )
-        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
-        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
-        for _ in range(20):
-            await engine.step()
-            if engine.inflight:
-                break
-        assert 7 in engine.inflight, "the request never reached its transfer"
+        engine = _engine(service, mem, ended)
+        await _in_flight(engine)
         mem.state = settle_before
         assert engine.abort("r", "the decode side ended", 499)
         await engine.step()
@@ -121,34 +141,12 @@ def test_a_flush_right_after_the_abort_waits_for_the_transfer(service) -> None:
     """The router aborts the prefill side, then answers the client, who flushes at once:
     the prefill node, its transfer still waiting for the ack, must not refuse the flush
     (it did, "pending requests", in about 1 of 2 PD runs with one torch thread)."""
-    from memsvc.protocol import unpack
-    from model_svc.tokenizer import ByteTokenizer
-    from scheduler_svc.service import SchedulerService
 
     async def scenario() -> dict:
         mem = await HeldTransfer.connect(service)
-        engine = PrefillEngine(
-            SchedulerConfig(page_size=PAGE, max_running_requests=8),
-            mem,
-            FakeModel(service.pool.table.array),
-            lambda req, finished: None,
-            capacity=service.pool.capacity,
-        )
-        front = SchedulerService(
-            engine,
-            "ipc:///nonexistent/kvstack-flush-settle.sock",
-            tokenizer=ByteTokenizer(),
-            capacity=service.pool.capacity,
-            page_size=PAGE,
-            max_context_len=512,
-            vocab_size=256,
-        )
-        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
-        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
-        for _ in range(20):
-            await engine.step()
-            if engine.inflight:
-                break
+        engine = _engine(service, mem, {})
+        front = _front(service, engine)
+        await _in_flight(engine)
         assert engine.abort("r", "the decode side ended", 499)
         front._flushes.append((b"client", 1, None, time.monotonic()))
         await front._flush_cache()
@@ -172,31 +170,13 @@ def test_a_flush_right_after_the_abort_waits_for_the_transfer(service) -> None:
 
 def test_a_flush_meeting_running_work_is_refused_at_once(service) -> None:
     """Settling is for work that ends by itself: a queued request is refused as before."""
-    from model_svc.tokenizer import ByteTokenizer
-    from scheduler_svc.service import SchedulerService
 
     async def scenario() -> bool:
         mem = await HeldTransfer.connect(service)
-        engine = PrefillEngine(
-            SchedulerConfig(page_size=PAGE, max_running_requests=8),
-            mem,
-            FakeModel(service.pool.table.array),
-            lambda req, finished: None,
-            capacity=service.pool.capacity,
-        )
-        front = SchedulerService(
-            engine,
-            "ipc:///nonexistent/kvstack-flush-refused.sock",
-            tokenizer=ByteTokenizer(),
-            capacity=service.pool.capacity,
-            page_size=PAGE,
-            max_context_len=512,
-            vocab_size=256,
-        )
-        params = SamplingParams(max_new_tokens=1, draw={"temperature": 0.0}, ignore_eos=True)
-        engine.submit(Req("r", list(range(1, PROMPT + 1)), params, bootstrap_room=7))
-        await engine.step()  # prefilled, sent: in flight
-        engine.submit(Req("q", list(range(1, PROMPT + 1)), params, bootstrap_room=8))
+        engine = _engine(service, mem, {})
+        front = _front(service, engine)
+        await _in_flight(engine)
+        engine.submit(Req("q", list(range(1, PROMPT + 1)), PARAMS, bootstrap_room=8))
         await engine._apply_commands()  # queued
         front._flushes.append((b"client", 1, None, time.monotonic()))
         await front._flush_cache()
