@@ -171,7 +171,8 @@ def test_replay_keeps_the_last_buffer_steps_batches(tmp_path):
         for i in range(5):
             run_request(pool, f"r{i}", seq(50 + i, 1))
             publisher.flush()
-        sub.drain()
+        # No drain first: on a loaded machine the subscription can reach the publisher
+        # after the first batches, and the gap is older than what the buffer keeps.
         batches = sub.replay(0)
         assert [s for s, _ in batches] == [3, 4, 5]  # 6 batches, the last 3 kept
         _ts, events, dp_rank = msgpack.unpackb(batches[-1][1])
