@@ -44,11 +44,12 @@ class PrefillEngine(Engine):
         return TRANSFER_POLL_S if self.inflight else default
 
     def settling(self) -> bool:
-        """Also with transfers in flight alone: the router aborts what a flight leaves
-        here before it answers the client, and such an abort waits for the decode side's
-        ack (:meth:`_sent_anyway`), so a flush right after the last reply can meet it."""
-        busy = self.waiting or self.running or self.chunked
-        return super().settling() or (bool(self.inflight) and not busy)
+        """Also with transfers in flight: the router aborts what a flight leaves here
+        before it answers the client, and such an abort waits for the decode side's ack
+        (:meth:`_sent_anyway`), so a flush right after the last reply can meet it."""
+        return not (self.waiting or self.running or self.chunked) and bool(
+            self._commands or self.inflight
+        )
 
     async def step(self) -> bool:
         await self._apply_commands()
@@ -145,23 +146,19 @@ class PrefillEngine(Engine):
     async def _sent_anyway(self, req: Req, room: int) -> bool:
         """An abort of ``req`` came while its KV was on the wire (the router aborts
         what a flight leaves here when its decode side ends, which can be before
-        the decode side's ack reached memsvc-P): if the transfer succeeded, ``req``
-        finishes as sent, its KV into the tree; if it is still transferring, it
-        stays in flight until the transfer settles (bounded by memsvc's peer
-        timeout). True unless the abort should go ahead and free its KV."""
+        the decode side's ack reached memsvc-P). The transfers that ended are
+        settled first, as every step does: one that succeeded finishes ``req`` as
+        sent, its KV into the tree. One still transferring keeps it in flight until
+        it settles (bounded by memsvc's peer timeout). True unless the abort should
+        go ahead and free its KV."""
         try:
+            await self._poll_inflight()
+            if self.inflight.get(room) is not req:
+                return True  # it ended with its transfer
             (report,) = await self.mem.pd_status([room])
         except MemsvcError:
             return False
-        if report["state"] == KVPoll.TRANSFERRING:
-            return True
-        if report["state"] != KVPoll.SUCCESS:
-            return False
-        await self.mem.pd_forget([room])
-        del self.inflight[room]
-        req.check_finished(self.eos_token_ids)
-        await self._finish_many([req])
-        return True
+        return report["state"] == KVPoll.TRANSFERRING
 
     # -- recovery (called by scheduler_svc.recovery; no memsvc calls: the KV is gone) ---
 
