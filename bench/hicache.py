@@ -309,11 +309,32 @@ def speedups(served: dict[str, Any]) -> dict[str, float]:
         out["ttft_p50_speedup"] = round(radix["ttft_p50_s"] / hi["ttft_p50_s"], 3)
         out["ttft_p99_speedup"] = round(radix["ttft_p99_s"] / hi["ttft_p99_s"], 3)
         out["throughput_ratio"] = round(hi["requests_per_s"] / radix["requests_per_s"], 3)
+        out.update(paired(radix, hi, ""))
     if "radix_b" in served:
         twin = served["radix_b"]
         out["control_ttft_p50_speedup"] = round(radix["ttft_p50_s"] / twin["ttft_p50_s"], 3)
         out["control_throughput_ratio"] = round(twin["requests_per_s"] / radix["requests_per_s"], 3)
+        out.update(paired(radix, twin, "control_"))
     return out
+
+
+def paired(radix: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The same two figures round by round (each round's chats are the same on both
+    stacks, served back to back), and their median over the rounds: one round that the
+    machine slowed on one stack moves the pooled figures but not, from 3 rounds up, the
+    median."""
+    def ratios(key: str) -> list[float]:
+        return [r / o for r, o in zip(radix[key], other[key]) if r > 0 and o > 0]
+
+    ttft, throughput = ratios("round_ttft_p50_s"), ratios("round_wall_s")
+    if not ttft or not throughput:
+        return {}
+    return {
+        f"{prefix}round_ttft_p50_speedups": [round(v, 3) for v in ttft],
+        f"{prefix}round_throughput_ratios": [round(v, 3) for v in throughput],
+        f"{prefix}median_round_ttft_p50_speedup": round(statistics.median(ttft), 3),
+        f"{prefix}median_round_throughput_ratio": round(statistics.median(throughput), 3),
+    }
 
 
 # -- the matrix ---------------------------------------------------------------------------
@@ -352,7 +373,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         leaked += leaks
         print(
             f"  ttft_p50_speedup {cell.get('ttft_p50_speedup')} throughput_ratio "
-            f"{cell.get('throughput_ratio')} identical {cell['outputs_identical']} "
+            f"{cell.get('throughput_ratio')} (median round "
+            f"{cell.get('median_round_ttft_p50_speedup')} / "
+            f"{cell.get('median_round_throughput_ratio')}) identical {cell['outputs_identical']} "
             f"({cell['cell_s']}s)",
             file=sys.stderr,
             flush=True,
@@ -378,7 +401,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": {k: workloads[k].describe() for k in args.workloads},
         "cells": cells,
     }
-    for key in ("ttft_p50_speedup", "throughput_ratio"):
+    for key in (
+        "ttft_p50_speedup",
+        "throughput_ratio",
+        "median_round_ttft_p50_speedup",
+        "median_round_throughput_ratio",
+    ):
         values = [c[key] for c in cells if key in c]
         out[f"worst_{key}"] = min(values) if values else None
         out[f"best_{key}"] = max(values) if values else None
@@ -417,7 +445,12 @@ def main(argv: list[str] | None = None) -> None:
     sizes.add_argument("--turn-len", type=int, help="new tokens per turn")
     sizes.add_argument("--output-len", type=int, help="reply tokens per turn")
     sizes.add_argument("--in-flight", type=int, help="conversations served at a time")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per cell, order rotating")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds per cell, order rotating (default 3: the per-round median sets one "
+        "slowed round aside; 2 with --quick)",
+    )
     parser.add_argument("--hicache-ratio", type=float, default=6.0, help="host tier / device pool")
     parser.add_argument(
         "--write-policy",
@@ -453,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--workloads names some of {tuple(KINDS)}")
     if args.model_path is None:
         args.model_path = "tiny" if args.quick else "smollm2"
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 3
     started = time.monotonic()
     result = run(args)
     result["took_s"] = round(time.monotonic() - started, 1)
