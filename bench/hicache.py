@@ -323,8 +323,9 @@ def paired(radix: dict[str, Any], other: dict[str, Any], prefix: str) -> dict[st
     stacks, served back to back), and their median over the rounds: one round that the
     machine slowed on one stack moves the pooled figures but not, from 3 rounds up, the
     median."""
+
     def ratios(key: str) -> list[float]:
-        return [r / o for r, o in zip(radix[key], other[key]) if r > 0 and o > 0]
+        return [r / o for r, o in zip(radix[key], other[key], strict=True) if r > 0 and o > 0]
 
     ttft, throughput = ratios("round_ttft_p50_s"), ratios("round_wall_s")
     if not ttft or not throughput:
