@@ -41,7 +41,7 @@ class PdHandlers:
         self._own(session, msg.rid)
         agent = self._agent()
         agent.expect(msg.rid, msg.room)
-        agent.rooms[msg.room].owner = session.num
+        agent.room(msg.room).owner = session.num
         return {}, None
 
     def _pd_send(self, session: Session, msg: p.PdSend) -> Reply:
@@ -56,7 +56,7 @@ class PdHandlers:
             msg.peer_rid,
             peer=msg.peer,
         )
-        agent.rooms[msg.room].owner = session.num
+        agent.room(msg.room).owner = session.num
         return {}, None
 
     def _pd_status(self, session: Session, msg: p.PdStatus) -> Reply:
@@ -74,5 +74,6 @@ class PdHandlers:
 
     @staticmethod
     def _own_rooms(session: Session, agent: TransferAgent, rooms: list[int]) -> None:
-        if any(r in agent.rooms and agent.rooms[r].owner != session.num for r in rooms):
+        found = [agent.room(r) for r in rooms]
+        if any(room is not None and room.owner != session.num for room in found):
             raise NotOwnerError("a room belongs to another session's request")

@@ -309,7 +309,9 @@ class PdExpect(Message):
 
 
 class PdSend(Message):
-    """Prefill side: send the KV of ``rid``'s first ``num_tokens`` positions to ``room``."""
+    """Send the KV of ``rid``'s first ``num_tokens`` positions to ``room``: a prefill
+    node's prompt, or a decode node's running request moving to another decode node
+    (``peer`` then names that node's transfer socket)."""
 
     op: Literal["pd_send"]
     rid: RequestId

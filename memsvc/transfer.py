@@ -39,13 +39,18 @@ rooms it was never answered for). Without CURVE every peer has the same (no)
 key: the binding then only stops writes from a connection that did not open
 the room.
 
+A decode node also sends: a running request's KV to another decode node's
+listener (issue 32, migration), the way memsvc-P sends a prompt's, to the
+peer its ``pd_send`` names (it has no default peer). Its receiving rooms and
+its sending rooms are two books, and one room id names one room in either.
+
 Everything here runs on memsvc's socket thread (see :class:`ServiceShell`'s
 ``extension``), like every op, so it needs no locks.
 
 Modules: this one is :class:`TransferAgent`, the shell extension that reads
-the transfer socket and hands each message to its role's side,
-:mod:`memsvc.transfer_decode` (:class:`DecodeSide`) or
-:mod:`memsvc.transfer_prefill` (:class:`PrefillSide`);
+the transfer sockets and hands each message to its side,
+:mod:`memsvc.transfer_decode` (:class:`DecodeSide`, receiving) or
+:mod:`memsvc.transfer_prefill` (:class:`PrefillSide`, sending);
 :mod:`memsvc.transfer_rooms` holds the rooms and their states,
 :mod:`memsvc.movers` the backends that move the pages (NIXL, zmq).
 """
@@ -108,109 +113,139 @@ class TransferAgent:
             if backend == "nixl"
             else ZmqMover(pool)
         )
-        self.book = RoomBook()
-        self.rooms: dict[int, Room] = self.book.rooms
-        self.side: DecodeSide | PrefillSide
+        # The rooms this memsvc sends from, and (decode role) those it receives into.
+        self.sender = PrefillSide(
+            pool,
+            self.mover,
+            RoomBook(),
+            peer_address=peer,
+            epoch=epoch,
+            curve=self.curve,
+            peer_timeout_s=peer_timeout_s,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+            allow_remote=allow_remote,
+        )
+        self.receiver: DecodeSide | None = None
         if role == "decode":
-            self.side = DecodeSide(
+            self.receiver = DecodeSide(
                 pool,
                 self.mover,
-                self.book,
+                RoomBook(),
                 listen=listen,
                 curve=self.curve,
                 peer_timeout_s=peer_timeout_s,
             )
-        else:
-            self.side = PrefillSide(
-                pool,
-                self.mover,
-                self.book,
-                peer_address=peer,
-                epoch=epoch,
-                curve=self.curve,
-                peer_timeout_s=peer_timeout_s,
-                bootstrap_timeout_s=bootstrap_timeout_s,
-                allow_remote=allow_remote,
-            )
-        self.sock: zmq.Socket | None = None
+        self.sides: list[DecodeSide | PrefillSide] = [self.sender]
+        if self.receiver is not None:
+            self.sides.insert(0, self.receiver)
+        self.socks: dict[zmq.Socket, DecodeSide | PrefillSide] = {}
 
     @property
     def backend(self) -> str:
         return self.mover.name
 
+    @property
+    def books(self) -> list[RoomBook]:
+        return [side.book for side in self.sides]
+
+    def room(self, room_id: int) -> Room | None:
+        """The room ``room_id``, sent or received."""
+        for book in self.books:
+            if room_id in book.rooms:
+                return book.rooms[room_id]
+        return None
+
     # -- the ServiceShell extension ----------------------------------------------
 
     def open(self, ctx: zmq.Context) -> list[zmq.Socket]:
-        self.sock = self.side.open(ctx)
-        return [self.sock]
+        """The receiver's listener (decode role), then the sender's ROUTER. A decode
+        node's sender reaches only the peers a ``pd_send`` names (a running request's
+        KV moving to another decode node); a prefill node's, also ``--transfer-peer``."""
+        self.socks = {side.open(ctx): side for side in self.sides}
+        return list(self.socks)
 
     def on_readable(self, sock: zmq.Socket) -> None:
-        limit = self.side.limit
+        side = self.socks[sock]
         while True:
             try:
-                inbound = recv_bounded(sock, limit, keep=0, flags=zmq.NOBLOCK, copy=False)
+                inbound = recv_bounded(sock, side.limit, keep=0, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if inbound.too_large is not None:  # read and dropped frame by frame
                 log.warning("dropped a transfer message: %s", inbound.too_large.message)
                 continue
             raw = inbound.frames
-            peer = None
-            if self.side.routed:
-                if len(raw) < 2:
-                    continue  # a routing id and no message
-                peer = (raw.pop(0).bytes, peer_key(raw[0]))
+            if len(raw) < 2:
+                continue  # a routing id and no message
+            peer = (raw.pop(0).bytes, peer_key(raw[0]))
             frames = [frame.bytes for frame in raw]
             try:
                 header = msgpack.unpackb(frames[0], raw=False)
                 if not isinstance(header, dict):
                     raise ValueError("header is not a map")
-                self.side.on_message(peer, header, frames[1:])
+                side.on_message(peer, header, frames[1:])
             except Exception as exc:  # garbage from a peer: drop it, keep serving
                 log.warning("dropped a malformed transfer message: %s", exc)
 
     def progress(self, now: float) -> float:
         """Advance what waits on time; returns seconds until it wants to run again."""
-        return max(self.side.progress(now), 0.0)
+        return max(min(side.progress(now) for side in self.sides), 0.0)
 
     def close(self) -> None:
         self.mover.close()
-        if self.sock is not None:
-            self.sock.close(0)
+        for sock in self.socks:
+            sock.close(0)
 
     # -- the ops ----------------------------------------------------------------------
 
     def expect(self, rid: str, room_id: int) -> None:
         """The prompt's slots are allocated in ``rid``'s row: wait for them to be written."""
-        self._need("decode")
-        self.side.expect(rid, room_id)
+        if self.receiver is None:
+            raise InvalidArgumentError(f"this memsvc has the {self.role} role, not decode")
+        self._unused(room_id)
+        self.receiver.expect(rid, room_id)
 
     def send(self, rid: str, room_id: int, *args: Any, **kwargs: Any) -> None:
         """Send ``rid``'s KV to the room's decode side (:meth:`PrefillSide.send` says
-        with what arguments)."""
-        self._need("prefill")
-        self.side.send(rid, room_id, *args, **kwargs)
+        with what arguments). On a decode node that is a running request moving to
+        another decode node (``peer`` names its transfer socket)."""
+        self._unused(room_id)
+        self.sender.send(rid, room_id, *args, **kwargs)
+
+    def _unused(self, room_id: int) -> None:
+        """One id names one room: ``pd_status`` and ``pd_forget`` must not be ambiguous."""
+        if self.room(room_id) is not None:
+            raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
 
     def forget(self, room_ids: list[int]) -> None:
         """Drop rooms the scheduler is done with; one still in flight is cancelled."""
         for room_id in room_ids:
-            room = self.rooms.pop(room_id, None)
-            if room is None:
-                continue
-            if room.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
-                self.side.cancel(room)
-                self.book.cancelled(room)
+            for side in self.sides:
+                room = side.book.rooms.pop(room_id, None)
+                if room is not None and room.state not in (KVPoll.SUCCESS, KVPoll.FAILED):
+                    side.cancel(room)
+                    side.book.cancelled(room)
 
     def forget_rid(self, rid: str) -> None:
-        """``rid`` was released (a dead session): its pages must not be written any more."""
-        self.forget([r.room for r in self.rooms.values() if r.rid == rid])
+        """``rid`` was released (a dead session): its pages must not be read or written
+        any more."""
+        self.forget([r.room for book in self.books for r in book.rooms.values() if r.rid == rid])
 
     def report(self, room_id: int) -> dict[str, Any]:
-        return self.book.report(room_id)
-
-    def _need(self, role: str) -> None:
-        if self.role != role:
-            raise InvalidArgumentError(f"this memsvc has the {self.role} role, not {role}")
+        room = self.room(room_id)
+        if room is None:
+            return self.sender.book.report(room_id)  # "unknown room"
+        return room.report()
 
     def stats(self) -> dict[str, Any]:
-        return {"backend": self.backend, "role": self.role, **self.book.stats()}
+        """Counted over both directions (a decode node's sends are migrations)."""
+        out: dict[str, Any] = {"backend": self.backend, "role": self.role}
+        for book in self.books:
+            for key, value in book.stats().items():
+                if key == "rooms":
+                    rooms = out.setdefault("rooms", dict.fromkeys(value, 0))
+                    for state, count in value.items():
+                        rooms[state] += count
+                else:
+                    out[key] = out.get(key, 0) + value
+        return out

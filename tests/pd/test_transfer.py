@@ -135,8 +135,8 @@ def test_rooms_are_guarded(memsvc_factory, tmp_path):
             d.pd_expect("r", 3)
         with pytest.raises(NotOwnerError):
             other.pd_forget([3])
-        with pytest.raises(InvalidArgumentError, match="prefill"):
-            d.pd_send("r", 4, 8, first_token=0)  # a decode-role memsvc does not send
+        with pytest.raises(InvalidArgumentError, match="no decode node to send to"):
+            d.pd_send("r", 4, 8, first_token=0)  # a decode node sends only where told
         d.pd_forget([3])
         d.free_row("r")
         d.check(idle=True)
@@ -181,7 +181,7 @@ def test_the_transfer_listener_bounds_each_message(tmp_path, make_pool) -> None:
     )
     ctx = zmq.Context()
     try:
-        (listener,) = agent.open(ctx)
+        listener, _sender = agent.open(ctx)  # the receiver first
         chunk_bytes = CHUNK_PAGES * pool.layout.bytes_per_page
         assert chunk_bytes < listener.getsockopt(zmq.MAXMSGSIZE) < chunk_bytes + (4 << 20)
         peer = ctx.socket(zmq.DEALER)
