@@ -198,6 +198,8 @@ class MemService(BatchHandlers, PdHandlers):
             "host_store_bytes": self.pool.host_store.capacity_bytes,
             "retract_decode_steps": self.config.retract_decode_steps,
             "hicache": self._hicache_info(),
+            # a decode node's transfer socket: where another node sends KV to it
+            "transfer_listen": self.transfer.listen if self.transfer is not None else None,
         }, None
 
     def _hicache_info(self) -> dict[str, Any] | None:

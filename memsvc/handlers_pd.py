@@ -55,6 +55,7 @@ class PdHandlers:
             msg.cached_tokens,
             msg.peer_rid,
             peer=msg.peer,
+            from_host=msg.from_host,
         )
         agent.room(msg.room).owner = session.num
         return {}, None

@@ -357,9 +357,11 @@ class _Ops:
         cached_tokens: int = 0,
         peer_rid: str | None = None,
         peer: str | None = None,
+        from_host: bool = False,
     ) -> Any:
-        """Prefill side: send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side
-        (``peer``: its memsvc's transfer socket, if not this memsvc's --transfer-peer)."""
+        """Send ``rid``'s first ``num_tokens`` of KV to ``room``'s decode side (``peer``: its
+        memsvc's transfer socket, if not this memsvc's --transfer-peer). ``from_host``:
+        ``rid``'s host-store entry, all of it (a retracted request migrating)."""
         fields = {
             "rid": rid,
             "room": room,
@@ -370,6 +372,8 @@ class _Ops:
         }
         if peer is not None:
             fields["peer"] = peer
+        if from_host:
+            fields["from_host"] = True
         return self._invoke(_Call("pd_send", fields, None, _nothing))
 
     def pd_status(self, rooms: Sequence[int]) -> Any:

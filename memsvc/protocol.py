@@ -322,6 +322,8 @@ class PdSend(Message):
     peer_rid: RequestId | None = None  # the decode side's name for it, if not ``rid``
     # the decode node's transfer socket (ipc:// or tcp://), if not memsvc's --transfer-peer
     peer: str | None = Field(default=None, min_length=1, max_length=512)
+    # the KV is rid's host-store entry (num_tokens: all of it), not its row's
+    from_host: bool = False
 
 
 class PdStatus(Message):

@@ -28,7 +28,7 @@ from memsvc.core.errors import InvalidArgumentError
 from memsvc.core.pool import KVPool
 from memsvc.curve import CurveKeys, make_client
 from memsvc.limits import DEFAULT_LIMIT
-from memsvc.movers import NixlMover, ZmqMover, pack_frames
+from memsvc.movers import CHUNK_PAGES, NixlMover, ZmqMover, pack_frames
 from memsvc.rpc import send_or_drop
 from memsvc.server import check_listen_address
 from memsvc.transfer_rooms import (
@@ -161,11 +161,14 @@ class PrefillSide:
         cached: int,
         peer_rid: str | None = None,
         peer: str | None = None,
+        from_host: bool = False,
     ) -> None:
         """Send the KV of ``rid``'s first ``num_tokens`` positions to the room's decode side.
 
         ``peer_rid``: the decode side's name for the request, if not ``rid``; ``peer``:
-        the decode node's transfer socket, if not the configured one.
+        the decode node's transfer socket, if not the configured one; ``from_host``:
+        the KV is ``rid``'s host-store entry (a retracted request migrating), all of it,
+        sent as data frames whatever the backend.
         """
         if room_id in self.rooms:
             raise InvalidArgumentError(f"bootstrap room {room_id} is already in use")
@@ -174,16 +177,22 @@ class PrefillSide:
             raise InvalidArgumentError(
                 "no decode node to send to: pd_send names no peer and memsvc has no --transfer-peer"
             )
-        req = self.pool.request(rid)
-        if not 0 < num_tokens <= req.kv_len:
-            raise InvalidArgumentError(f"{rid!r} has KV for {req.kv_len} tokens, not {num_tokens}")
-        pages = aligned_pages(self.pool.slots(rid, 0, num_tokens), self.page_size)
-        if pages is None:
-            raise InvalidArgumentError(f"{rid!r}'s slots are not page-aligned")
-        swa_pages = swa_window_pages(self.pool, pages, num_tokens)  # hybrid: the window's
+        if from_host:
+            host_pages = self._host_pages(rid, num_tokens)
+            pages, swa_pages = np.arange(host_pages.shape[0]), None
+        else:
+            host_pages = None
+            req = self.pool.request(rid)
+            if not 0 < num_tokens <= req.kv_len:
+                message = f"{rid!r} has KV for {req.kv_len} tokens, not {num_tokens}"
+                raise InvalidArgumentError(message)
+            pages = aligned_pages(self.pool.slots(rid, 0, num_tokens), self.page_size)
+            if pages is None:
+                raise InvalidArgumentError(f"{rid!r}'s slots are not page-aligned")
+            swa_pages = swa_window_pages(self.pool, pages, num_tokens)  # hybrid: the window's
         now = time.monotonic()
         room = Room(room_id, rid, pages, num_tokens, KVPoll.BOOTSTRAPPING, created=now)
-        room.swa_pages = swa_pages
+        room.swa_pages, room.host_pages = swa_pages, host_pages
         room.first_token, room.cached_tokens = first_token, cached
         room.peer_rid = peer_rid or rid
         room.peer_address = address
@@ -191,6 +200,19 @@ class PrefillSide:
         self._link(address)  # before the room exists: a refused address leaves nothing
         self.rooms[room_id] = room
         self._query(room, now)
+
+    def _host_pages(self, rid: str, num_tokens: int) -> np.ndarray:
+        """``rid``'s host-store pages, which must hold exactly ``num_tokens`` tokens."""
+        if self.pool.layout.is_hybrid:
+            raise InvalidArgumentError(
+                "a hybrid (sliding-window) pool's host entries cannot be sent yet"
+            )
+        held, host_pages = self.pool.host_store.pages(rid)
+        if held != num_tokens:
+            raise InvalidArgumentError(
+                f"{rid!r}'s host-store entry holds {held} tokens, not {num_tokens}"
+            )
+        return host_pages
 
     def _query(self, room: Room, now: float) -> None:
         frames = pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid})
@@ -273,7 +295,10 @@ class PrefillSide:
             room.bytes += (swa_size or 0) * layout.swa_bytes_per_page
             try:
                 peer = _Routed(self.sock, self.links[room.peer_address].routing_id)
-                self.mover.start(room, dest["mover"], dst_pages, peer, dst_swa_pages)
+                if room.host_pages is not None:
+                    send_host_pages(room, peer)
+                else:
+                    self.mover.start(room, dest["mover"], dst_pages, peer, dst_swa_pages)
             except Exception as exc:
                 self._abort_send(room, f"transfer could not start: {exc}")
                 return
@@ -310,3 +335,13 @@ class PrefillSide:
         frames = pack_frames({"t": "abort", "room": room.room, "why": why})
         self._to_decode(room.peer_address, frames)
         self.book.finish(room, why)
+
+
+def send_host_pages(room: Room, peer: _Routed) -> None:
+    """A host-store entry's pages as zmq data frames (what :class:`ZmqMover` sends from the
+    pool): the receiver writes them into the room's pages whatever its backend."""
+    assert room.host_pages is not None
+    for start in range(0, room.host_pages.shape[0], CHUNK_PAGES):
+        chunk = np.ascontiguousarray(room.host_pages[start : start + CHUNK_PAGES])
+        peer.send_multipart(pack_frames({"t": "data", "room": room.room, "start": start}, chunk))
+    room.host_pages = None  # on the wire: the entry may go

@@ -110,6 +110,8 @@ class Room:
     peer: Peer | None = None  # decode side: the peer whose query opened the room
     peer_rid: str = ""  # prefill side: the rid the decode side expects
     peer_address: str = ""  # prefill side: the decode node's transfer socket it goes to
+    # sending from the host store (a retracted request migrating): its pages, in order
+    host_pages: np.ndarray | None = None
 
     def report(self) -> dict[str, Any]:
         return {

@@ -155,6 +155,12 @@ class HostStore:
         page_size = self._buffers.layout.page_size
         return pages[tokens // page_size, :, :, tokens % page_size]
 
+    def pages(self, rid: str) -> tuple[int, np.ndarray]:
+        """``rid``'s token count and its stored pages, ``[pages, *page shape]`` in token
+        order (a copy: what a migration sends to another node while the entry stays)."""
+        entry = self._settled(rid)
+        return entry.num_tokens, np.concatenate([self._arena[f : f + n] for f, n in entry.extents])
+
     def zero_on_discard(self, rid: str) -> None:
         """Zero ``rid``'s pages when its entry is dropped (loaded back or discarded)."""
         self._entry(rid).zero = True

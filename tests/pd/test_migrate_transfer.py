@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memsvc.client import MemClient
+from memsvc.client import MemClient, RetractTarget
 from memsvc.core.backends import attach
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.sessions import NotOwnerError
@@ -22,8 +22,9 @@ from memsvc.transfer import KVPoll
 from tests.pd.test_transfer import BACKENDS, wait_state
 
 
-def decode_pair(memsvc_factory, tmp_path, backend: str):
+def decode_pair(memsvc_factory, tmp_path, backend: str, *extra: str):
     common = ["--pd-role", "decode", "--transfer-backend", backend, "--transfer-timeout", "2"]
+    common += extra
     listens = [f"ipc://{tmp_path}/xfer-{name}.sock" for name in ("d1", "d2")]
     nodes = [
         memsvc_factory(*common, "--transfer-listen", listen, name=name)
@@ -110,3 +111,52 @@ def test_a_decode_node_sends_only_where_told_and_its_rooms_are_its_own(memsvc_fa
         assert [r["why"] for r in a.pd_status([3, 5])] == ["unknown room"] * 2
         a.free_row("r")
         a.check(idle=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_retracted_requests_host_copy_moves_to_another_decode_node(
+    memsvc_factory, tmp_path, backend
+):
+    """A request retracted to D1's host store migrates from there: D2's pages get the
+    entry's bytes (as data frames, whatever the backend), and D1's entry stays until
+    D1 drops it."""
+    host = ["--host-store-bytes", str(1 << 20)]
+    (d1, d2), (_, d2_listen) = decode_pair(memsvc_factory, tmp_path, backend, *host)
+    num_tokens = 26
+    with MemClient(d1.address) as a, MemClient(d2.address) as b:
+        a_kv, b_kv = attach(a.handle), attach(b.handle)
+        try:
+            page_size = a.layout.page_size
+            keep = a.alloc_row("keep")
+            a.alloc_extend([("keep", 4)])
+            row = a.alloc_row("r")
+            a_slots = a.alloc_extend([("r", num_tokens)]).slots
+            fill(a_kv, a_slots, page_size, seed=2)
+            want = np.stack([a_kv.kv[s // page_size, :, :, s % page_size] for s in a_slots])
+            # a retract pops one victim at least (from the end), here to the host store
+            targets = [RetractTarget.HOST_ENTRY] * 2
+            assert a.retract([keep, row], targets).retracted == ["r"]
+            assert a.stats()["host_store_entries"] == 1
+            with pytest.raises(InvalidArgumentError, match="holds 26 tokens, not 25"):
+                a.pd_send("r", 12, num_tokens - 1, first_token=5, peer=d2_listen, from_host=True)
+            b.alloc_row("r")
+            b_slots = b.alloc_extend([("r", num_tokens)]).slots
+            b.pd_expect("r", 12)
+            a.pd_send("r", 12, num_tokens, first_token=5, peer=d2_listen, from_host=True)
+            report = wait_state(b, 12)
+            assert report["state"] == KVPoll.SUCCESS and report["first_token"] == 5, report
+            assert wait_state(a, 12)["state"] == KVPoll.SUCCESS
+            got = np.stack([b_kv.kv[s // page_size, :, :, s % page_size] for s in b_slots])
+            np.testing.assert_array_equal(got, want)
+            assert a.stats()["host_store_entries"] == 1  # D1 drops it once D2 has it
+            a.host_discard("r")
+            a.free_row("keep")
+            a.pd_forget([12])
+            b.pd_forget([12])
+            b.free_row("r")
+            a.check(idle=True)
+            b.check(idle=True)
+            assert a.stats()["host_store_entries"] == 0
+        finally:
+            a_kv.close()
+            b_kv.close()
