@@ -47,6 +47,7 @@ async def serve(
     from scheduler_svc.adopt import Journal
     from scheduler_svc.engine import Engine
     from scheduler_svc.pd.decode import DecodeEngine
+    from scheduler_svc.pd.migrate import MigrationPeer
     from scheduler_svc.pd.prefill import PrefillEngine
     from scheduler_svc.recovery import Recovery
     from scheduler_svc.resilient import ResilientModelClient
@@ -96,6 +97,10 @@ async def serve(
         )
         if config.mode == "normal":  # records a successor adopts (scheduler_svc.adopt)
             engine.journal = Journal(owner_of=lambda rid: None)
+        if config.migrate_to:  # decode: retracted requests may move there
+            engine.migration = MigrationPeer(config.migrate_to, curve=curve.client)
+        if config.mode == "decode":
+            engine.migrate_in_timeout_s = config.migrate_in_timeout
         recovery = Recovery(
             engine,
             connect_mem,
@@ -146,6 +151,8 @@ async def serve(
         if metrics_server is not None:
             metrics_server.shutdown()
         await model.close()
+        if getattr(engine, "migration", None) is not None:
+            await engine.migration.close()
         # recovery may have replaced the engine's memsvc client with a new session
         await (engine.mem if engine is not None else mem).close()
 
@@ -158,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         listen = args.listen or default_listen_address("scheduler_svc")
         check_listen_address(listen, allow_remote=args.allow_remote)
         config = from_args(SchedulerServiceConfig, args)
+        if config.migrate_to and config.mode != "decode":
+            raise ConfigError("--migrate-to is for a decode node (--mode decode)")
+        if config.migrate_to:
+            check_listen_address(config.migrate_to, allow_remote=args.allow_remote)
         return asyncio.run(serve(config, args, listen, curve_from_args(args)))
     except (ConfigError, MemsvcError, PeerDeadError) as exc:
         print(f"scheduler_svc: error: {exc}", file=sys.stderr)

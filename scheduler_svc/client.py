@@ -383,6 +383,27 @@ class AsyncGenerateClient(
         raises :class:`GenerateError` (``not_owner``)."""
         return found(await self._call({"op": "abort", "rid": rid, "client": self.client_id}))
 
+    async def open_call(
+        self, header: dict[str, Any], arrays: dict[str, Any] | None = None
+    ) -> tuple[int, asyncio.Queue]:
+        """Send ``header`` (and its int64 ``arrays``) under a new op id; returns the op id
+        and the queue its raw replies arrive in (None: the connection dropped) until
+        :meth:`close_call`. No retry: for a peer that relays the replies itself (a moved
+        request's)."""
+        self._ensure_reader()
+        op_id = next(self._op_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._inbox[op_id] = queue
+        with contextlib.suppress(zmq.Again):  # as _replies: a silent try
+            await self._sock.send_multipart(
+                wire.pack({**header, "client": self.client_id, "op_id": op_id}, arrays),
+                zmq.NOBLOCK,
+            )
+        return op_id, queue
+
+    def close_call(self, op_id: int) -> None:
+        self._inbox.pop(op_id, None)
+
     async def info(self) -> dict[str, Any]:
         return await self._call({"op": "info"})
 

@@ -53,6 +53,18 @@ class SchedulerServiceConfig:
         "bytes of finished results (as msgpack) kept to answer a re-submitted rid, and at "
         f"most {RESULT_CACHE_SIZE} results; the oldest go first, the newest is always kept",
     )
+    migrate_to: str | None = setting(
+        None,
+        "decode mode: another decode node's scheduler (its listen address). A request "
+        "retracted to this node's host store that cannot resume here moves there with its "
+        "KV when that node has room, instead of waiting here (its replies are relayed)",
+    )
+    migrate_in_timeout: float = setting(
+        30.0,
+        "decode mode: seconds a request another decode node moved here waits for its KV "
+        "before it ends (504) and its pages are freed",
+        group=FAULTS,
+    )
     metrics: MetricsConfig = field(default_factory=MetricsConfig, metadata={"part": MetricsConfig})
     memsvc_timeout: float = setting(
         5.0,

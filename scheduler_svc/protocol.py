@@ -142,6 +142,34 @@ class Generate(Message):
         return self
 
 
+class MigrateIn(Message):
+    """Decode node to decode node (issue 32): take over ``rid``, retracted on the sender
+    with ``output_ids`` generated so far. Its KV (prompt and all but the last output
+    token) arrives from the sender's memsvc into ``room``; the request then decodes
+    on here, and its replies (streamed from the first new token) go to the sender,
+    which relays them to the request's client."""
+
+    op: Literal["migrate_in"]
+    rid: str = Field(min_length=1, max_length=256)
+    client: ClientId
+    input_ids: IntArray
+    output_ids: IntArray
+    sampling: GenSampling = Field(default_factory=GenSampling)
+    priority: Int64 | None = None
+    namespace: str = Field(default="", max_length=256)  # the sender's, as it is
+    room: int = Field(ge=0, lt=2**63)
+    retractions: int = Field(default=0, ge=0, lt=2**31)
+    cached_tokens: int = Field(default=0, ge=0, lt=2**63)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> MigrateIn:
+        if not 0 < self.input_ids.size <= MAX_PROMPT_TOKENS:
+            raise ValueError(f"input_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens")
+        if not 0 < self.output_ids.size <= self.sampling.max_new_tokens:
+            raise ValueError("output_ids must hold 1 to max_new_tokens tokens")
+        return self
+
+
 class Abort(Message):
     op: Literal["abort"]
     rid: str = Field(min_length=1, max_length=256)
@@ -168,7 +196,7 @@ class FlushCache(Message):
         return namespace_of(self.cache_salt, self.extra_key)
 
 
-Request = Annotated[Generate | Abort | Info | FlushCache, Field(discriminator="op")]
+Request = Annotated[Generate | MigrateIn | Abort | Info | FlushCache, Field(discriminator="op")]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
 

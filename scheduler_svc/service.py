@@ -51,6 +51,7 @@ from scheduler_svc.adopt import ADOPT_EXPIRED_STATUS, Adopted, Owner, Reattach
 from scheduler_svc.core import Req, RequestTooLargeError
 from scheduler_svc.engine import Engine
 from scheduler_svc.intake import fingerprint, new_req, refusal
+from scheduler_svc.pd.moved import MovedRequests
 from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
 from scheduler_svc.replies import (
@@ -68,7 +69,7 @@ IDLE_WAIT_S = 0.5
 FLUSH_SETTLE_S = 1.0  # a full flush_cache waits this long at most for a settling engine
 
 
-class SchedulerService:
+class SchedulerService(MovedRequests):
     def __init__(
         self,
         engine: Engine,
@@ -127,6 +128,8 @@ class SchedulerService:
             self._await_clients(adopted)
         if mode == "decode":
             engine.on_rebootstrap = self._rebootstrap
+            engine.on_migrated = self._relay
+        self._relays: set[asyncio.Task] = set()  # moved requests' replies, relayed
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -268,7 +271,14 @@ class SchedulerService:
                 message = f"request {msg.rid!r} belongs to another client"
                 return error_reply(msg.op_id, "not_owner", message, 403)
             found = self.engine.abort(msg.rid)
+            migration = getattr(self.engine, "migration", None)
+            if not found and waiter is not None and migration is not None:
+                found = msg.rid in migration.relays  # moved: the peer ends it, we relay
+                if found:
+                    self._spawn(migration.abort(msg.rid))
             return wire.pack({"ok": True, "op_id": msg.op_id, "found": found})
+        if msg.op == "migrate_in":
+            return self._migrate_in(identity, msg)
         return self._generate(identity, msg)
 
     def _generate(self, identity: bytes, msg: Any) -> list[bytes] | None:
@@ -460,7 +470,13 @@ class SchedulerService:
     def _pd_info(self) -> dict[str, Any]:
         engine = self.engine
         if self.mode == "decode":
-            return {"queues": engine.queue_lengths(), "timeline": list(engine.timeline)}
+            return {
+                "queues": engine.queue_lengths(),
+                "timeline": list(engine.timeline),
+                # what another decode node may move here (scheduler_svc.pd.migrate)
+                "prealloc_budget": engine.prealloc_budget(),
+                "transfer_listen": engine.mem.hello_info.get("transfer_listen"),
+            }
         if self.mode == "prefill":
             return {"queues": {"inflight": len(engine.inflight), "waiting": len(engine.waiting)}}
         return {}

@@ -364,6 +364,7 @@ class Launcher:
         *,
         decode_pool: list[str] | None = None,
         decode_scheduler: list[str] = (),
+        migrate_to_pool: list[str] | None = None,
         transfer_backend: TransferBackend | str = TransferBackend.AUTO,
         transfer_timeout: float = 5.0,
         model: Sequence[str] = (),
@@ -375,7 +376,10 @@ class Launcher:
 
         ``pool`` / ``scheduler`` apply to both nodes; ``decode_pool`` /
         ``decode_scheduler`` add to (and win over) them on the decode node.
-        Each memsvc's layout comes from the checkpoint; the two workers split
+        ``migrate_to_pool``: a second decode node (``memsvc-d2``, ``model_svc-d2``,
+        ``scheduler-d2``; ``pool`` and these flags), which the first one moves its
+        retracted requests to (``--migrate-to``); the router does not send it any.
+        Each memsvc's layout comes from the checkpoint; the workers split
         the usable cores (``model`` may set ``--threads``). ``router``: extra router flags.
         """
         logging = ["--log-level", log_level] if log_level else []
@@ -386,12 +390,18 @@ class Launcher:
             str(transfer_timeout),
         ]
         listen = f"ipc://{self.workdir}/transfer{suffix}.sock"
+        nodes = [
+            ("d", "decode", [*pool, *(decode_pool or [])], ["--transfer-listen", listen]),
+            ("p", "prefill", pool, ["--transfer-peer", listen]),
+        ]
+        decode_scheduler = list(decode_scheduler)
+        if migrate_to_pool is not None:
+            listen2 = f"ipc://{self.workdir}/transfer-d2{suffix}.sock"
+            nodes.insert(
+                0, ("d2", "decode", [*pool, *migrate_to_pool], ["--transfer-listen", listen2])
+            )
         up: dict[str, Service] = {}
-        for node, role, extra in (
-            ("d", "decode", ["--transfer-listen", listen]),
-            ("p", "prefill", ["--transfer-peer", listen]),
-        ):
-            node_pool = [*pool, *(decode_pool or [])] if node == "d" else pool
+        for node, role, node_pool, extra in nodes:
             mem_starting = self.spawn(
                 "memsvc",
                 *pool_layout_args(checkpoint, node_pool),
@@ -404,11 +414,13 @@ class Launcher:
                 name=f"memsvc-{node}{suffix}",
             )
             model_starting = self.spawn_model(
-                mem_starting, checkpoint, 2, model, logging, f"-{node}{suffix}"
+                mem_starting, checkpoint, len(nodes), model, logging, f"-{node}{suffix}"
             )
             up[f"memsvc-{node}"] = self.await_started(mem_starting)
             up[f"model_svc-{node}"] = self.await_started(model_starting)
-            node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else scheduler
+            node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else list(scheduler)
+            if node == "d" and "scheduler-d2" in up:
+                node_scheduler += ["--migrate-to", up["scheduler-d2"].address]
             up[f"scheduler-{node}"] = self.start(
                 "scheduler_svc",
                 "--mode",

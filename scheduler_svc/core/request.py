@@ -64,7 +64,8 @@ class ReqState(IntEnum):
 
 _S = ReqState
 TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
-    _S.WAITING: frozenset({_S.PREFILLING, _S.RUNNING, _S.ABORTED}),
+    # WAITING -> RETRACTED: arrived from another decode node (arrive_migrated).
+    _S.WAITING: frozenset({_S.PREFILLING, _S.RUNNING, _S.RETRACTED, _S.ABORTED}),
     # PREFILLING -> RETRACTED: pause-retract takes the in-progress chunk too.
     # PREFILLING -> WAITING | RETRACTED: unschedule, before any KV was allocated.
     _S.PREFILLING: frozenset(
@@ -366,6 +367,19 @@ class Req:
         self.kv_len = self.seq_len - 1
         self.host_copy = False
 
+    def arrive_migrated(self, retractions: int, cached_tokens: int) -> None:
+        """Moved here from another decode node with what it generated there: it waits for
+        its KV (all but its last token) as a request retracted here would, then
+        resumes (:meth:`resume`)."""
+        target = ReqState.RETRACTED
+        self._require(
+            self.state is ReqState.WAITING and bool(self.output_ids), target, "nothing to migrate"
+        )
+        self._move(target)
+        self.retraction_count, self.retracted_stain = retractions, True
+        self.cached_tokens = cached_tokens
+        self.first_scheduled_time = self.first_token_time = time.monotonic()
+
     def commit_transfer(self, row: int, first_token: int, cached_tokens: int = 0) -> None:
         """PD decode: the prompt's KV arrived in ``row`` with the token the prefill sampled."""
         target = ReqState.RUNNING
@@ -388,7 +402,9 @@ class Req:
         time stamps. Cleared: the row, prefix/extend/KV lengths, the chunk
         state. ``retraction_count`` grows and ``retracted_stain`` sticks.
         """
-        self._move(ReqState.RETRACTED)
+        target = ReqState.RETRACTED
+        self._require(self.state is not ReqState.WAITING, target, "never admitted")
+        self._move(target)
         if not self.logprob.input_done:  # the prefill did not finish: computed again
             self.logprob.input_vals, self.logprob.input_tops = [], []
         self.row = None

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from memsvc.client import RetractTarget
-from memsvc.core.errors import MemsvcError, OutOfRowsError
+from memsvc.core.errors import InvalidArgumentError, MemsvcError, OutOfRowsError
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState, ceil_page
 from scheduler_svc.core.swa_budget import full_available_of
 from scheduler_svc.engine import Engine
 from scheduler_svc.pd.decode_swa import DecodeSwaBudget
+from scheduler_svc.pd.migrate import MAX_IN_FLIGHT, MigrationPeer
 from scheduler_svc.pd.rooms import (
     TRANSFER_POLL_S,
     abort_locally,
@@ -24,6 +26,7 @@ from scheduler_svc.pd.rooms import (
 
 log = logging.getLogger("scheduler_svc")
 TIMELINE_LEN = 4096
+MIGRATE_IN_TIMEOUT_S = 30.0  # a moved request whose KV has not arrived by then ends (504)
 
 
 class DecodeEngine(Engine):
@@ -40,17 +43,38 @@ class DecodeEngine(Engine):
         # start) with those a restarted predecessor left on the prefill node.
         self._next_room = (1 << 62) + (secrets.randbelow(1 << 40) << 16)
         self.on_rebootstrap: Callable[[Req, int, list[int]], None] = lambda *a: None
+        # Retracted requests moving to another decode node (scheduler_svc.pd.migrate):
+        # the peer (None: --migrate-to not given), the moves in flight by room, and
+        # what the service does with a committed one (relays its replies).
+        self.migration: MigrationPeer | None = None
+        self.migrating: dict[int, Req] = {}
+        self.on_migrated: Callable[[Req], None] = lambda req: None
+        # Moved here from another node, their KV on its way: rid -> when they give up on it.
+        self.arrived: dict[str, float] = {}
+        self.migrate_in_timeout_s = MIGRATE_IN_TIMEOUT_S
         # (forward pass, event, rid) for tests and plots: prealloc / commit / retract / resume.
         self.timeline: deque[tuple[int, str, str]] = deque(maxlen=TIMELINE_LEN)
-        for name in ("transfer_failed", "prealloc_reqs", "rebootstraps", "host_full_aborts"):
+        for name in (
+            "transfer_failed",
+            "prealloc_reqs",
+            "rebootstraps",
+            "host_full_aborts",
+            "migrated_out_reqs",
+            "migrated_out_tokens",
+            "migrate_failed",
+            "migrated_in_reqs",
+        ):
             setattr(self.stats, name, 0)
 
     @property
     def idle(self) -> bool:
-        return super().idle and not (self.prealloc or self.transfer or self.retracted)
+        return super().idle and not (
+            self.prealloc or self.transfer or self.retracted or self.migrating
+        )
 
     def idle_wait_s(self, default: float) -> float:
-        return TRANSFER_POLL_S if (self.transfer or self.retracted or self.prealloc) else default
+        busy = self.transfer or self.retracted or self.prealloc or self.migrating
+        return TRANSFER_POLL_S if busy else default
 
     def _event(self, kind: str, req: Req) -> None:
         self.timeline.append((self.stats.forward_passes, kind, req.rid))
@@ -65,6 +89,11 @@ class DecodeEngine(Engine):
             await self.mem.heartbeat()  # fresh sizes when no decode step brought them
         resumed = await self._resume_retracted()
         did = bool(resumed)
+        if self.migration is not None:
+            did = await self._migrate_retracted() or did
+            did = await self._poll_migrations() or did
+        if self.arrived:
+            did = await self._expire_arrivals() or did
         if not self.retracted:
             did = await self._preallocate(resumed) or did
             did = await self._poll_transfers() or did
@@ -112,6 +141,11 @@ class DecodeEngine(Engine):
         needs = [self._final_len(r) for r in retractable]
         needs += [self._final_len(r) - self._held(r) for r in held]
         return max(needs, default=freeable) - freeable
+
+    def prealloc_budget(self) -> int:
+        """KV slots a request arriving now could be preallocated (what another decode node
+        may move here: scheduler_svc.pd.migrate)."""
+        return self._allocatable(count_retracted=True)
 
     def _allocatable(self, *, count_retracted: bool, need: int = 0) -> int:
         """The budget from the sizes of memsvc's last reply (every op brings them).
@@ -171,6 +205,96 @@ class DecodeEngine(Engine):
             self._event("resume", req)
             resumed.append(req)
         return resumed
+
+    # -- migration to another decode node (scheduler_svc.pd.migrate) --------------------
+
+    async def _migrate_retracted(self) -> bool:
+        """Move the head of the retracted queue, with its host copy, to the peer decode
+        node while the peer takes it; returns whether one started."""
+        assert self.migration is not None
+        started = False
+        while self.retracted and len(self.migrating) < MAX_IN_FLIGHT:
+            req = self.retracted[0]
+            if not req.host_copy:
+                break
+            peer = await self.migration.room_for(self._required(req))
+            if peer is None:
+                break
+            room, self._next_room = self._next_room, self._next_room + 1
+            try:
+                await self.mem.pd_send(
+                    req.rid,
+                    room,
+                    req.seq_len - 1,
+                    req.output_ids[-1],
+                    req.cached_tokens,
+                    peer=peer,
+                    from_host=True,
+                )
+            except InvalidArgumentError as exc:  # this pool cannot send (a hybrid one)
+                log.warning("migration to %s is off: %s", self.migration.address, exc)
+                self.migration = None
+                break
+            self.retracted.popleft()
+            self.migrating[room] = req
+            await self.migration.hand_over(req, room)
+            self._event("migrate", req)
+            started = True
+        return started
+
+    async def _poll_migrations(self) -> bool:
+        """Commit the moves whose KV arrived (the peer has the request: drop the host copy;
+        its replies are relayed from now on), and take back those that failed."""
+        if not self.migrating:
+            return False
+        assert self.migration is not None
+        refused = {}
+        for room, req in self.migrating.items():  # the peer said no: its room never opens
+            why = self.migration.refused(req.rid)
+            if why is not None:
+                refused[room] = {"room": room, "state": KVPoll.FAILED, "why": why}
+        if refused:
+            await self.mem.pd_forget(list(refused))  # cancels the sends
+        done = [*refused.values()]
+        done += await settled_rooms(self.mem, [r for r in self.migrating if r not in refused])
+        for report in done:
+            req = self.migrating.pop(report["room"])
+            if report["state"] == KVPoll.FAILED:
+                log.warning("request %s did not move: %s", req.rid, report["why"])
+                self.stats.migrate_failed += 1
+                await self.migration.cancel(req.rid)
+                self.retracted.appendleft(req)
+                continue
+            await self.mem.host_discard(req.rid)
+            req.host_copy = False
+            self.stats.migrated_out_reqs += 1
+            self.stats.migrated_out_tokens += req.seq_len - 1
+            self.reqs.pop(req.rid, None)
+            self._event("migrated", req)
+            self.on_migrated(req)
+        return bool(done)
+
+    def accept_migrated(self, req: Req) -> None:
+        """``req`` moved here from another decode node (the service checked it): it waits
+        for its preallocation and its KV, for ``migrate_in_timeout_s`` at most."""
+        self.arrived[req.rid] = time.monotonic() + self.migrate_in_timeout_s
+        self.submit(req)
+
+    async def _expire_arrivals(self) -> bool:
+        """End the moved requests whose KV did not arrive in time (a sender that died or
+        never sends): their preallocation and room go, nothing stays held."""
+        now = time.monotonic()
+        expired = [rid for rid, deadline in self.arrived.items() if now > deadline]
+        for rid in expired:
+            req = self.reqs.get(rid)
+            self.arrived.pop(rid, None)
+            if req is not None and req.is_retracted:
+                message = (
+                    f"Request {rid} moved here, but its KV did not arrive within "
+                    f"{self.migrate_in_timeout_s:g}s"
+                )
+                await self._abort(req, message, 504)
+        return bool(expired)
 
     # -- preallocation and transfer --------------------------------------------------
 
@@ -249,7 +373,9 @@ class DecodeEngine(Engine):
         return True
 
     def _commit(self, req: Req, row: int, report: dict[str, Any]) -> None:
-        if req.is_retracted:  # re-bootstrapped: the KV of all but its last token came back
+        if req.is_retracted:  # re-bootstrapped or moved here: the KV of all but its last token
+            if self.arrived.pop(req.rid, None) is not None:
+                self.stats.migrated_in_reqs += 1
             req.resume(row)
             self._mark_readmitted(req)
             self._event("resume", req)
@@ -337,6 +463,10 @@ class DecodeEngine(Engine):
         self.prealloc.clear()
 
     def _drop_kv_queues(self) -> None:
+        if self.migration is not None:  # their host copies went with the KV
+            for req in self.migrating.values():
+                self.migration.finished(req.rid)
+        self.migrating.clear()
         self.running.clear()
         self.transfer.clear()
         self.retracted.clear()
@@ -347,6 +477,13 @@ class DecodeEngine(Engine):
             self.prealloc.remove(req)
         if req in self.retracted:
             self.retracted.remove(req)
+        self.arrived.pop(req.rid, None)
+        moving = next((room for room, r in self.migrating.items() if r is req), None)
+        if moving is not None:  # its send is cancelled; the host copy goes below
+            del self.migrating[moving]
+            if self.migration is not None:
+                await self.migration.cancel(req.rid)
+            await self.mem.pd_forget([moving])
         room = req.bootstrap_room
         if room is not None and self.transfer.get(room) is req:
             del self.transfer[room]
@@ -364,5 +501,6 @@ class DecodeEngine(Engine):
             "prealloc": len(self.prealloc),
             "transfer": len(self.transfer),
             "retracted": len(self.retracted),
+            "migrating": len(self.migrating),
             "running": len(self.running),
         }

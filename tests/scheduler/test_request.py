@@ -80,10 +80,24 @@ def test_chunk_past_the_end_is_refused():
     assert req.state is ReqState.WAITING
 
 
+def test_a_request_moved_from_another_node_waits_retracted_then_resumes():
+    """arrive_migrated: a waiting request with output so far becomes a retracted one
+    (its KV on its way), keeping its retraction count; then it resumes as one."""
+    req = make_req(input_len=6)
+    req.output_ids.extend([7, 8, 9])
+    req.arrive_migrated(retractions=2, cached_tokens=4)
+    assert req.is_retracted and req.retraction_count == 2 and req.cached_tokens == 4
+    req.resume(row=3)
+    assert req.state is ReqState.RUNNING and req.kv_len == 8 and req.row == 3
+    with pytest.raises(IllegalTransitionError, match="nothing to migrate"):
+        make_req().arrive_migrated(retractions=0, cached_tokens=0)  # no output yet
+
+
 @pytest.mark.parametrize(
     ("setup", "action"),
     [
         ("waiting", lambda r: r.start_decode()),
+        ("running", lambda r: r.arrive_migrated(0, 0)),
         ("waiting", lambda r: r.reset_for_retract()),
         ("waiting", lambda r: r.append_token(1)),
         ("waiting", lambda r: r.complete_extend()),
@@ -135,7 +149,8 @@ def _aborted() -> Req:
 def test_transition_table():
     S = ReqState
     expected = {
-        S.WAITING: {S.PREFILLING, S.RUNNING, S.ABORTED},  # RUNNING: PD commit_transfer
+        # RUNNING: PD commit_transfer; RETRACTED: arrive_migrated (moved from another node)
+        S.WAITING: {S.PREFILLING, S.RUNNING, S.RETRACTED, S.ABORTED},
         # WAITING / RETRACTED: unschedule, the pool had no room after all
         S.PREFILLING: {S.WAITING, S.PREFILLING, S.RUNNING, S.RETRACTED, S.FINISHED, S.ABORTED},
         S.RUNNING: {S.RETRACTED, S.FINISHED, S.ABORTED},

@@ -1,0 +1,191 @@
+"""A retracted request moves to another decode node with its KV (issue 32, part 2).
+
+A decode node retracts by parking a victim's KV in its memsvc's host store;
+the victim then waits, FIFO, in the node's retracted queue until the pool has
+room for it again (and while anything waits there, no new request is
+preallocated). With ``--migrate-to`` naming another decode node's scheduler,
+a victim at the head of that queue that cannot resume here moves there
+instead, when that node says it has room::
+
+    scheduler-D1 ── info ─────────────────────────────► scheduler-D2
+                 ◄─ its preallocation budget, queues, transfer socket
+    memsvc-D1  ══ pd_send(from_host): the host entry ══► memsvc-D2's room
+    scheduler-D1 ── migrate_in(rid, prompt, outputs, sampling, room) ─► scheduler-D2
+                    D2 preallocates the KV's pages, expects the room, and once
+                    they are written decodes on from the last token
+    scheduler-D1 ◄─ chunks, then done ── (relayed to the request's client)
+
+Nothing is computed again: the KV D2 receives is the host copy D1 made at the
+retract, and D2 continues from the same tokens, so greedy and seeded outputs
+are those of a run without the move. Until memsvc-D1 reports the room a
+success, the request is D1's: a failed or refused move puts it back at the
+head of D1's retracted queue with its host copy, as if nothing happened
+(D2's side of the room fails and frees its pages). After it, D1 drops the host
+copy and keeps only the relay: the client's stream stays where it is.
+
+The policy is the simplest that never loses: move the head of the retracted
+queue (the request waiting longest) when it cannot resume here this step and
+the peer's budget takes it (what D2 would admit into preallocation now, with
+nothing retracted or queued there). Moves in flight are bounded by
+:data:`MAX_IN_FLIGHT`; the peer's figures are asked at most every
+:data:`INFO_EVERY_S` while something waits, and each move spends from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from memsvc.curve import CurveClientKeys
+from scheduler_svc.client import AsyncGenerateClient
+from scheduler_svc.core import Req
+from scheduler_svc.core.sampling import SamplingParams
+
+log = logging.getLogger("scheduler_svc")
+
+MAX_IN_FLIGHT = 8
+INFO_EVERY_S = 0.2
+INFO_TIMEOUT_S = 2.0
+LOST_MESSAGE = "Request {rid} moved to decode node {peer}, which stopped answering."
+
+
+def sampling_record(sp: SamplingParams) -> dict[str, Any]:
+    """The wire's ``sampling`` of a request, from its params: how each token is drawn
+    (``draw``) and its limits."""
+    return {
+        **sp.draw,
+        "max_new_tokens": sp.max_new_tokens,
+        "min_new_tokens": sp.min_new_tokens,
+        "ignore_eos": sp.ignore_eos,
+        "stop": list(sp.stop),
+        "stop_token_ids": sorted(sp.stop_token_ids),
+        "no_stop_trim": sp.no_stop_trim,
+        "skip_special_tokens": sp.skip_special_tokens,
+    }
+
+
+@dataclass
+class Relay:
+    """One moved request's replies from the peer (the call's queue) and its tokens so far."""
+
+    rid: str
+    op_id: int
+    queue: asyncio.Queue
+    tokens: list[int]
+    held: list[dict[str, Any] | None] = field(default_factory=list)  # read before the commit
+    started: float = field(default_factory=time.monotonic)
+
+    async def next_reply(self) -> dict[str, Any] | None:
+        """The peer's next reply for the request (None: the connection dropped)."""
+        if self.held:
+            return self.held.pop(0)
+        return await self.queue.get()
+
+
+class MigrationPeer:
+    """The decode node this one moves retracted requests to (see the module docstring)."""
+
+    def __init__(
+        self, address: str, *, timeout_s: float = 60.0, curve: CurveClientKeys | None = None
+    ) -> None:
+        self.address = address
+        self.client = AsyncGenerateClient(address, timeout_s=timeout_s, curve=curve)
+        self.relays: dict[str, Relay] = {}
+        self._info: dict[str, Any] | None = None
+        self._info_at = 0.0
+        self._budget = 0
+
+    async def room_for(self, tokens: int) -> str | None:
+        """The peer memsvc's transfer socket if the peer can take a request holding
+        ``tokens`` KV slots (its reserve included) now; None otherwise."""
+        now = time.monotonic()
+        if self._info is None or now - self._info_at >= INFO_EVERY_S:
+            self._info_at = now
+            try:
+                info = await asyncio.wait_for(self.client.info(), INFO_TIMEOUT_S)
+            except Exception as exc:  # a peer down or slow: nothing moves this time
+                log.debug("migration peer %s: no info (%s)", self.address, exc)
+                self._info = None
+                return None
+            self._info = info
+            self._budget = int(info.get("prealloc_budget", 0))
+        info = self._info
+        queues = info.get("queues") or {}
+        if info.get("mode") != "decode" or not info.get("transfer_listen"):
+            return None
+        if queues.get("retracted") or queues.get("prealloc") or tokens > self._budget:
+            return None
+        self._budget -= tokens
+        return str(info["transfer_listen"])
+
+    async def hand_over(self, req: Req, room: int) -> None:
+        """Ask the peer to take ``req`` (its KV will arrive in ``room``); its replies wait
+        in the relay's queue until the move is committed or cancelled."""
+        header = {
+            "op": "migrate_in",
+            "rid": req.rid,
+            "sampling": sampling_record(req.sampling_params),
+            "priority": req.priority,
+            "namespace": req.namespace,
+            "room": room,
+            "retractions": req.retraction_count,
+            "cached_tokens": req.cached_tokens,
+        }
+        arrays = {
+            "input_ids": np.asarray(req.origin_input_ids, dtype=np.int64),
+            "output_ids": np.asarray(req.output_ids, dtype=np.int64),
+        }
+        op_id, queue = await self.client.open_call(header, arrays)
+        self.relays[req.rid] = Relay(req.rid, op_id, queue, list(req.output_ids))
+
+    def refused(self, rid: str) -> str | None:
+        """Why the peer will not take ``rid`` (it answered with an error, or its
+        connection dropped), if it said so already; None otherwise. What it sent
+        is kept for the relay."""
+        relay = self.relays.get(rid)
+        if relay is None:
+            return None
+        while not relay.queue.empty():
+            relay.held.append(relay.queue.get_nowait())
+        for reply in relay.held:
+            if reply is None:
+                return f"the connection to {self.address} dropped"
+            if not reply.get("ok", False):
+                return str(reply.get("message") or reply.get("code") or "refused")
+            if reply.get("type") == "done":  # it ended there before its KV was there
+                reason = (reply.get("meta_info") or {}).get("finish_reason") or {}
+                return str(reason.get("message") or "it ended on the peer")
+        return None
+
+    async def cancel(self, rid: str) -> None:
+        """The move failed here: drop the relay and end the peer's side of it."""
+        relay = self.relays.pop(rid, None)
+        if relay is None:
+            return
+        self.client.close_call(relay.op_id)
+        with contextlib.suppress(Exception):  # the peer may never have seen it
+            await asyncio.wait_for(self.client.abort(rid), INFO_TIMEOUT_S)
+
+    async def abort(self, rid: str) -> bool:
+        """The client aborts a moved request: the peer ends it (its done is relayed)."""
+        if rid not in self.relays:
+            return False
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.client.abort(rid), INFO_TIMEOUT_S)
+        return True
+
+    def finished(self, rid: str) -> None:
+        relay = self.relays.pop(rid, None)
+        if relay is not None:
+            self.client.close_call(relay.op_id)
+
+    async def close(self) -> None:
+        for rid in list(self.relays):
+            self.finished(rid)
+        await self.client.close()

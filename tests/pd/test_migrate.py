@@ -1,0 +1,90 @@
+"""Retracted requests move to another decode node with their KV (issue 32, part 2).
+
+A PD stack with two decode nodes: the router sends every request to D1, whose
+pool is too small for them (it retracts to its host store); D1 has
+``--migrate-to`` D2, a roomy decode node. A retracted request that cannot
+resume on D1 moves to D2 with its host copy and decodes on there; D1 relays its
+replies. Outputs must equal normal mode's without pressure token for token,
+nothing may be computed again, and every memsvc must end idle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memsvc import protocol as wire
+from memsvc import rpc
+from scheduler_svc.client import GenerateClient
+from tests.pd.test_pd_mode import (
+    PD_SCHEDULER,
+    POOL,
+    PRESSURE,
+    SMALL_DECODE,
+    growth,  # noqa: F401 (a fixture)
+    idle_check,
+    info,
+    references,  # noqa: F401 (a fixture)
+)
+from tests.scheduler_service.test_normal_mode import finish_ids, run_all
+
+ROOMY = ["--num-pages", "1024"]
+
+
+def test_retracted_requests_move_to_the_other_decode_node(launcher, checkpoint, growth):  # noqa: F811
+    up = launcher.start_pd_stack(
+        checkpoint,
+        POOL,
+        [*PD_SCHEDULER, "--migrate-in-timeout", "3"],
+        decode_pool=SMALL_DECODE,
+        decode_scheduler=PRESSURE,
+        migrate_to_pool=ROOMY,
+        transfer_backend="zmq",
+    )
+    reqs = growth["reqs"]
+    got = run_all(up["router"].address, reqs)
+    assert finish_ids(got) == growth["outputs"]
+    state = info(up["router"])
+    d1 = state["stats"]
+    with GenerateClient(up["scheduler-d2"].address) as client:
+        d2 = client.info()["stats"]
+    assert d1["retracted_reqs"] > 0, "the small decode pool should force retracts"
+    assert d1["migrated_out_reqs"] > 0, d1
+    assert d2["migrated_in_reqs"] == d1["migrated_out_reqs"], (d1, d2)
+    assert d1["migrate_failed"] == 0 and d1["aborted_reqs"] == 0
+    # Every retracted request resumed on D1 or moved: none was computed again.
+    assert d1["loaded_reqs"] + d1["migrated_out_reqs"] == d1["offloaded_reqs"]
+    assert d1["reprefilled_tokens"] == 0 and d2["prefill_tokens"] == 0
+    assert state["prefill"]["stats"]["prefill_tokens"] == sum(len(p) for _, p, _ in reqs)
+    # D2 generated the rest of each moved request: its tokens count there.
+    moved = [rid for _, kind, rid in state["timeline"] if kind == "migrated"]
+    assert moved and d2["generated_tokens"] > 0
+    assert sum(r.meta_info["completion_tokens"] for r in got.values()) == sum(
+        len(ids) for ids in growth["outputs"].values()
+    )
+    check_migrate_in_is_guarded(up)
+    idle_check(up["memsvc-p"], up["memsvc-d"], up["memsvc-d2"])
+
+
+def migrate_in(address: str, rid: str, prompt: list[int], outputs: list[int], **fields):
+    """Send a ``migrate_in`` as a peer decode node would; the first reply."""
+    arrays = {"input_ids": np.asarray(prompt), "output_ids": np.asarray(outputs)}
+    with GenerateClient(address) as client:
+        header = {"op": "migrate_in", "rid": rid, "client": client.client_id, "room": 9}
+        header.update(sampling={"max_new_tokens": 8}, **fields)
+        return rpc.request(client._sock, wire.pack({**header, "op_id": 1}, arrays), 1, 30, 1)
+
+
+def check_migrate_in_is_guarded(up) -> None:
+    """What a peer may not do to a decode node: send tokens outside the vocabulary, or a
+    request whose KV never comes (it ends with an error once the room gives up, and
+    leaves nothing held); a normal or prefill node takes no moved request at all."""
+    d2 = up["scheduler-d2"].address
+    reply = migrate_in(d2, "x", [1, 2, 3], [70000])
+    assert reply["ok"] is False and reply["status_code"] == 400, reply
+    assert "out of vocabulary" in reply["message"]
+    reply = migrate_in(d2, "y", [1, 2, 3], [4, 5], room=77)  # nobody sends room 77: 3 s
+    assert reply.get("type") == "done", reply
+    assert reply["meta_info"]["finish_reason"]["type"] == "abort", reply
+    assert "did not arrive within 3s" in reply["meta_info"]["finish_reason"]["message"], reply
+    reply = migrate_in(up["scheduler-p"].address, "z", [1, 2, 3], [4])
+    assert reply["ok"] is False and "does not take moved requests" in reply["message"], reply
