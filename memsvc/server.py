@@ -69,9 +69,13 @@ def metrics_host(args) -> str:
 
 
 async def serve_tasks(
-    coros: list[Coroutine[Any, Any, Any]], stop: asyncio.Event, announce: Callable[[], None]
+    coros: list[Coroutine[Any, Any, Any]],
+    stop: asyncio.Event,
+    announce: Callable[[], None],
+    on_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Run ``coros`` as tasks until SIGTERM / SIGINT (which set ``stop``) or one of them fails.
+    """Run ``coros`` as tasks until ``stop`` is set (SIGTERM / SIGINT set it, or call
+    ``on_signal`` instead when given) or one of them fails.
 
     ``announce`` runs once they are started (the ready file, the address on
     stdout). However it ends, every task is cancelled and awaited (then the
@@ -79,7 +83,7 @@ async def serve_tasks(
     """
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []
-    with stop_on_signals(loop, stop.set):
+    with stop_on_signals(loop, on_signal or stop.set):
         try:
             tasks = [asyncio.create_task(coro) for coro in coros]
             announce()

@@ -146,7 +146,10 @@ class SchedulerService(MovedRequests):
             auth = secure_server(ctx, sock, self.curve)
             sock.bind(self.listen)
             await serve_tasks(
-                [self._intake(sock), self._send(sock), self._loop()], self._stop, announce
+                [self._intake(sock), self._send(sock), self._loop()],
+                self._stop,
+                announce,
+                on_signal=self._on_signal,
             )
         finally:
             sock.close(0)
@@ -197,6 +200,9 @@ class SchedulerService(MovedRequests):
                 log.warning("scheduling step failed: %s: %s", type(exc).__name__, exc)
                 did = await self._recover(exc)
             self.stall.step_ends(time.monotonic(), progressed=progressed, busy=not self.engine.idle)
+            if self.draining and self.engine.idle and not self._relays:
+                log.info("drained: every request moved off this node and ended")
+                self._stop.set()
             if not did:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -289,6 +295,9 @@ class SchedulerService(MovedRequests):
         else:
             input_ids = self.tokenizer.encode(msg.text)
         digest = fingerprint(input_ids, msg)
+        if self.draining:
+            message = "this decode node is draining (its requests move to another one)"
+            return error_reply(msg.op_id, "unavailable", message, 503)
         if self.mode != "normal" and msg.bootstrap_room is None:
             return error_reply(
                 msg.op_id,
@@ -333,6 +342,21 @@ class SchedulerService(MovedRequests):
         )
         self.engine.submit(req)
         return None
+
+    @property
+    def draining(self) -> bool:
+        return bool(getattr(self.engine, "draining", False))
+
+    def _on_signal(self) -> None:
+        """SIGTERM / SIGINT: stop; a decode node with a peer to move its requests to drains
+        first (every request moves off with its KV; it stops once the last relayed one
+        ended), and stops at once on a second signal."""
+        if self.draining or getattr(self.engine, "migration", None) is None:
+            self._stop.set()
+            return
+        log.warning("draining: every running and retracted request moves to the peer")
+        self.engine.draining = True
+        self._wake.set()
 
     def _stop_decoder(self, token_ids: list[int]) -> str:
         """How the stop-string check decodes (SGLang's tail: special tokens kept)."""
@@ -471,6 +495,8 @@ class SchedulerService(MovedRequests):
         engine = self.engine
         if self.mode == "decode":
             return {
+                "draining": engine.draining,
+                "migrate_to": engine.migration.address if engine.migration else None,
                 "queues": engine.queue_lengths(),
                 "timeline": list(engine.timeline),
                 # what another decode node may move here (scheduler_svc.pd.migrate)

@@ -10,7 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from memsvc.client import RetractTarget
-from memsvc.core.errors import InvalidArgumentError, MemsvcError, OutOfRowsError
+from memsvc.core.errors import (
+    HostStoreFullError,
+    InvalidArgumentError,
+    MemsvcError,
+    OutOfRowsError,
+)
 from memsvc.transfer import KVPoll
 from scheduler_svc.core import Req, ReqState, ceil_page
 from scheduler_svc.core.swa_budget import full_available_of
@@ -48,6 +53,7 @@ class DecodeEngine(Engine):
         # what the service does with a committed one (relays its replies).
         self.migration: MigrationPeer | None = None
         self.migrating: dict[int, Req] = {}
+        self.draining = False  # every request moves to the peer (SIGTERM with a peer)
         self.on_migrated: Callable[[Req], None] = lambda req: None
         # Moved here from another node, their KV on its way: rid -> when they give up on it.
         self.arrived: dict[str, float] = {}
@@ -87,8 +93,12 @@ class DecodeEngine(Engine):
         await self._apply_commands()
         if not self.running and (self.retracted or self.prealloc):
             await self.mem.heartbeat()  # fresh sizes when no decode step brought them
-        resumed = await self._resume_retracted()
-        did = bool(resumed)
+        if self.draining:  # nothing runs or resumes here: everything moves to the peer
+            did = await self._park_running()
+            resumed: list[Req] = []
+        else:
+            resumed = await self._resume_retracted()
+            did = bool(resumed)
         if self.migration is not None:
             did = await self._migrate_retracted() or did
             did = await self._poll_migrations() or did
@@ -241,6 +251,32 @@ class DecodeEngine(Engine):
             self._event("migrate", req)
             started = True
         return started
+
+    async def _park_running(self) -> bool:
+        """Draining: every running request's KV goes to the host store (as a retract by
+        offload), to move from there; returns whether any did. One the store cannot
+        take now stays running, and tries again next step."""
+        if not self.running:
+            return False
+        await self._drop_ahead()
+        await self.commit_journal()
+        parked = False
+        for req in list(self.running):
+            try:
+                await self.mem.offload(req.rid, req.kv_len)
+            except HostStoreFullError:
+                break
+            await self.mem.release(req.rid, is_insert=False)
+            self.running.remove(req)
+            self.stats.retracted_reqs += 1
+            self.stats.offloaded_reqs += 1
+            self.stats.offloaded_tokens += req.kv_len
+            req.reset_for_retract()
+            req.host_copy = True
+            self.retracted.append(req)
+            self._event("retract", req)
+            parked = True
+        return parked
 
     async def _poll_migrations(self) -> bool:
         """Commit the moves whose KV arrived (the peer has the request: drop the host copy;

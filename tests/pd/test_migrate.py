@@ -10,11 +10,15 @@ nothing may be computed again, and every memsvc must end idle.
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+
 import numpy as np
 
 from memsvc import protocol as wire
 from memsvc import rpc
-from scheduler_svc.client import GenerateClient
+from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
 from tests.pd.test_pd_mode import (
     PD_SCHEDULER,
     POOL,
@@ -88,3 +92,77 @@ def check_migrate_in_is_guarded(up) -> None:
     assert "did not arrive within 3s" in reply["meta_info"]["finish_reason"]["message"], reply
     reply = migrate_in(up["scheduler-p"].address, "z", [1, 2, 3], [4])
     assert reply["ok"] is False and "does not take moved requests" in reply["message"], reply
+
+
+def kvstack_drain(address: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstack", "drain", address, "--timeout", "120"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_kvstack_drain_moves_a_decode_node_onto_its_peer(launcher, checkpoint, growth):  # noqa: F811
+    """``kvstack drain`` (the node's SIGTERM) on a decode node with a peer: every running
+    request moves there with its KV (parked in the host store first) and ends token for
+    token as without the move, streamed through the first node; a new request is refused
+    meanwhile (503); the node stops once the last one ended. Nothing is computed again.
+    A node with no peer is not drained."""
+    up = launcher.start_pd_stack(
+        checkpoint, [*POOL, "--num-pages", "512"], PD_SCHEDULER, migrate_to_pool=ROOMY
+    )
+    reqs = growth["reqs"]
+    streamed: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
+    results: dict[str, object] = {}
+    refused: list[str] = []
+
+    async def one(client, rid: str, prompt: list[int], n: int) -> None:
+        async for item in client.stream(prompt, rid=rid, sampling={"max_new_tokens": n}):
+            if isinstance(item, Chunk):
+                streamed[rid].extend(item.token_ids)
+            else:
+                results[rid] = item
+
+    async def go() -> None:
+        async with AsyncGenerateClient(up["router"].address, timeout_s=120) as client:
+            tasks = [asyncio.create_task(one(client, *req)) for req in reqs]
+            while min(len(t) for t in streamed.values()) < 8:  # all running, mid-decode
+                await asyncio.sleep(0.005)
+            drain = asyncio.create_task(asyncio.to_thread(kvstack_drain, address))
+            while not info(up["scheduler-d"]).get("draining"):
+                await asyncio.sleep(0.01)
+            ended_before.append(len(results))
+            try:
+                await client.generate([5, 6, 7], rid="late", sampling={"max_new_tokens": 4})
+            except GenerateError as exc:
+                refused.append(f"{exc.status_code} {exc}")
+            await asyncio.gather(*tasks)
+            drained.append(await drain)
+
+    address = up["scheduler-d"].address
+    drained: list[subprocess.CompletedProcess] = []
+    ended_before: list[int] = []
+    refused_drain = kvstack_drain(up["scheduler-d2"].address)  # no --migrate-to
+    assert refused_drain.returncode == 2 and "nowhere to go" in refused_drain.stderr
+    asyncio.run(go())
+    assert drained[0].returncode == 0, drained[0].stderr
+    assert "drained and stopped" in drained[0].stdout
+    assert {rid: r.output_ids for rid, r in results.items()} == growth["outputs"]
+    for rid, want in growth["outputs"].items():  # each token once, in order, through the
+        # move (the last step's tokens come with the result, not in a chunk)
+        assert streamed[rid] == want[: len(streamed[rid])] and len(streamed[rid]) >= 8, rid
+    assert refused and refused[0].startswith("503") and "draining" in refused[0], refused
+    assert up["scheduler-d"].proc.wait(timeout=60) == 0  # it stopped by itself
+    with GenerateClient(up["scheduler-d2"].address) as client:
+        d2 = client.info()["stats"]
+    # Those still running when it drained moved (the shortest may have ended before).
+    assert 1 <= d2["migrated_in_reqs"] <= len(reqs) - ended_before[0], d2
+    assert d2["prefill_tokens"] == 0, d2
+    with GenerateClient(up["scheduler-p"].address) as client:
+        prefilled = client.info()["stats"]["prefill_tokens"]
+    # Each prompt once: none again for the move (the refused one's 3 tokens may have been
+    # prefilled before the router's abort reached the prefill node).
+    assert prefilled - sum(len(p) for _, p, _ in reqs) in (0, 3), prefilled
+    idle_check(up["memsvc-d"], up["memsvc-d2"])
