@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.model.paths import resolve_model_path
+from kvstack.stack.launch import Launcher
 from kvstack.stack.spec import StackOptions, normal_stack
 from kvstack.up.supervisor import RestartPolicy, Supervisor
 from memsvc.client import MemClient
@@ -175,6 +176,124 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# -- a request moved to another decode node, and a node drained (parts 2 and 3) ----------
+
+
+RESERVE = 64  # --num-reserved-decode-tokens of the move and drain runs
+
+
+def pd_pool(tokens: int, requests: int) -> list[str]:
+    pages = 2 * -(-(tokens + RESERVE * requests) // PAGE_SIZE) + 8
+    return [
+        "--page-size", str(PAGE_SIZE),
+        "--num-pages", str(pages),
+        "--max-running-requests", "32",
+        "--max-context-len", str(-(-(tokens + PAGE_SIZE) // 1024) * 1024),
+    ]  # fmt: skip
+
+
+def drain_run(
+    checkpoint: Path, prompts: list[list[int]], max_new: int, drain_after: int
+) -> dict[str, Any]:
+    """A PD stack whose decode node D1 has a peer D2 (``--migrate-to``): the prompts
+    stream there untouched (the reference), then again with D1 drained (SIGTERM) once
+    each has streamed ``drain_after`` tokens: every one moves to D2 with its KV."""
+    tokens = max(map(len, prompts)) * len(prompts) + max_new * len(prompts)
+    with tempfile.TemporaryDirectory(prefix="kvo-pd-", dir="/tmp") as tmp, Launcher(tmp) as up:
+        nodes = up.start_pd_stack(
+            checkpoint,
+            pd_pool(tokens, len(prompts)),
+            # each request's decode reserve (512 by default) is what D2 must have free
+            # to take it: kept small, so that the pools need not be sized for it
+            ["--worker-timeout", "900", "--num-reserved-decode-tokens", str(RESERVE)],
+            migrate_to_pool=[],
+            transfer_backend="zmq",
+            log_level="WARNING",
+        )
+        address = nodes["router"].address
+        reference = Run(prompts, max_new, "ref")
+        started = time.monotonic()
+        asyncio.run(reference.serve(address))
+        reference_s = time.monotonic() - started
+        with GenerateClient(address) as client:  # the moved run prefills its prompts again
+            flushed, why = client.flush_cache()
+            assert flushed, why
+        with GenerateClient(nodes["scheduler-p"].address) as client:
+            stats = client.info()["stats"]
+            prefill_s, prefilled_before = float(stats["prefill_s"]), int(stats["prefill_tokens"])
+        drained: dict[str, float] = {}
+
+        async def drain(run: Run) -> None:
+            while min(len(t) for t in run.tokens.values()) < drain_after:
+                await asyncio.sleep(0.005)
+            drained["at"] = time.monotonic()
+            drained["arrivals"] = len(run.arrivals)
+            nodes["scheduler-d"].proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(nodes["scheduler-d"].proc.wait, 600)
+            drained["stopped"] = time.monotonic()
+
+        moved = Run(prompts, max_new, "moved")
+        asyncio.run(moved.serve(address, drain))
+        with GenerateClient(nodes["scheduler-d2"].address) as client:
+            d2 = client.info()["stats"]
+        with GenerateClient(nodes["scheduler-p"].address) as client:
+            prefilled = int(client.info()["stats"]["prefill_tokens"])
+        with MemClient(nodes["memsvc-d"].address) as mem:  # what D1 sent (to D2 only)
+            moved_bytes = int(mem.stats()["transfer"]["bytes"])
+        for name in ("memsvc-d", "memsvc-d2", "memsvc-p"):
+            with MemClient(nodes[name].address) as mem:
+                mem.check(idle=True)
+    return {
+        "reference_s": round(reference_s, 2),
+        "prefill_s": prefill_s,
+        "moved_reqs": int(d2["migrated_in_reqs"]),
+        "moved_bytes": moved_bytes,
+        "stall_s": next_token_s(moved.arrivals[drained["arrivals"] :], drained["at"]),
+        "drain_s": round(drained["stopped"] - drained["at"], 3),
+        # beyond one prefill of each prompt: the prefill node's, and D2's (none: it decodes)
+        "reprefilled_tokens": prefilled
+        - prefilled_before
+        - sum(map(len, prompts))
+        + int(d2["prefill_tokens"]),
+        "outputs_identical": moved.tokens == reference.tokens and not moved.errors,
+        "errors": moved.errors,
+    }
+
+
+def measure_moves(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 2: one ``--migrate-len``-token request moved (its stream's stall against the
+    prefill that re-prefilling it would take); part 3: a node holding
+    ``--drain-requests`` requests drained."""
+    checkpoint = resolve_model_path(args.model_path)
+    rng = random.Random(args.seed + 1)
+    one = [[rng.randrange(*args.token_range) for _ in range(args.migrate_len)]]
+    move = drain_run(checkpoint, one, args.max_new, args.kill_after)
+    many = [
+        [rng.randrange(*args.token_range) for _ in range(args.drain_prompt_len)]
+        for _ in range(args.drain_requests)
+    ]
+    drain = drain_run(checkpoint, many, args.max_new, args.kill_after)
+    reprefill_s = move["prefill_s"]  # the reference run's one prefill of that prompt
+    return {
+        "migration_len": args.migrate_len,
+        "migration_bytes": move["moved_bytes"],
+        "migration_s": move["stall_s"],
+        "reprefill_s": round(reprefill_s, 3),
+        "migration_vs_reprefill": (
+            round(move["stall_s"] / reprefill_s, 4) if move["stall_s"] and reprefill_s else None
+        ),
+        "migration_reprefilled_tokens": move["reprefilled_tokens"],
+        "migration_outputs_identical": move["outputs_identical"],
+        "drain_requests": args.drain_requests,
+        "drain_moved_reqs": drain["moved_reqs"],
+        "drain_s": drain["drain_s"],
+        "drain_stall_s": drain["stall_s"],
+        "drain_reprefilled_tokens": drain["reprefilled_tokens"],
+        "drain_outputs_identical": drain["outputs_identical"],
+        "drain_errors": drain["errors"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="smollm2")
@@ -183,15 +302,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new", type=int, default=48)
     parser.add_argument("--kill-after", type=int, default=8)
     parser.add_argument("--seed", type=int, default=32)
+    parser.add_argument("--migrate-len", type=int, default=4096)
+    parser.add_argument("--drain-requests", type=int, default=16)
+    parser.add_argument("--drain-prompt-len", type=int, default=256)
+    parser.add_argument(
+        "--parts",
+        default="kill,move",
+        help="kill (part 1), move (parts 2 and 3: a request "
+        "moved to another decode node, a decode node drained)",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     args.token_range = QUICK_TOKEN_RANGE if args.quick else TOKEN_RANGE
     if args.quick:
         args.model_path, args.requests, args.prompt_len, args.max_new = "tiny", 4, 64, 24
-        args.kill_after = 4
-    result = measure(args)
+        args.kill_after, args.migrate_len, args.drain_requests = 4, 200, 4
+        args.drain_prompt_len = 32
+    parts = set(args.parts.split(","))
+    result: dict[str, Any] = {}
+    if "kill" in parts:
+        result.update(measure(args))
+    if "move" in parts:
+        result.update(measure_moves(args))
+    identical = [result[k] for k in result if k.endswith("outputs_identical")]
+    result["outputs_identical"] = all(identical)
     print(json.dumps(result))
-    return 0 if result["outputs_identical"] and result["idle_held_tokens"] == 0 else 1
+    return 0 if result["outputs_identical"] and result.get("idle_held_tokens", 0) == 0 else 1
 
 
 if __name__ == "__main__":
