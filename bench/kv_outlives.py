@@ -22,9 +22,20 @@ rids. Measured:
   dead one's last chunks, still in flight, are told apart as a burst);
 - ``outputs_identical``: every request's tokens equal a fault-free run's.
 
-The last line is JSON. The other parts of issue 32's measure (migration, drain,
-rebalancing) add their keys here when they exist. Run with the repository on
-``PYTHONPATH``; ``--quick``: the tiny model, 4 requests of 64 tokens.
+The move part (``--parts move``): a PD stack whose decode node has a peer
+(``--migrate-to``); one ``--migrate-len``-token request (4,096) streams, then
+streams again with the decode node drained (SIGTERM) mid-decode, so that it
+moves to the peer with its KV: ``migration_bytes``, ``migration_s`` (its
+stream's stall: the park, the send, the peer's preallocation and first step),
+``migration_vs_reprefill`` (that over one prefill of its prompt on the prefill
+node); then a node holding ``--drain-requests`` requests (16) drained the same
+way: ``drain_moved_reqs``, ``drain_s`` (until it stopped: its last relayed
+request's end), the tokens prefilled again (``*_reprefilled_tokens``) and
+token identity with the untouched run. Not measured yet: skewed load on two
+decode nodes with and without rebalancing.
+
+The last line is JSON. Run with the repository on ``PYTHONPATH``; ``--quick``:
+the tiny model, 4 requests of 64 tokens, a 200-token move, 4 drained.
 """
 
 from __future__ import annotations

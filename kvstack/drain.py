@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstack.up.cli import pid_alive
 from scheduler_svc.client import GenerateClient
 
 POLL_S = 0.5
@@ -53,14 +54,7 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     except OSError:  # no /proc: ask the kernel
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return pid_alive(pid)
 
 
 def run(args: argparse.Namespace) -> int:
