@@ -15,10 +15,13 @@ included, unless ``--write-policy`` names one; ``--storage-dir`` adds the file
 disk tier), one radix-only; ``--stacks`` adds ``radix_ref``, radix-only on a pool
 twice the working set, and ``radix_b``, a second radix-only stack like ``radix``
 (the cell's ``control_*`` figures: what two identical stacks differ by, the
-machine's noise in that cell). After an untimed warm-up request each, every stack serves
+machine's noise in that cell). After an untimed warm-up request and
+``--warmup-rounds`` untimed rounds each (1: the first stack to serve a cell's
+first round paid for the freshly started processes, 4-6 s more than the
+others; always the hierarchy, first in the order), every stack serves
 ``--rounds`` rounds of fresh conversations (the same ones on every stack), the
 stacks' order rotating from round to round so that drift on the machine hits
-both. A conversation sends its next turn (the whole history, its own replies
+both; per cell the per-round ratios and their median set one slowed round aside. A conversation sends its next turn (the whole history, its own replies
 token for token, plus the turn's new tokens) as soon as the streamed reply to
 the last one is complete; ``in_flight`` conversations run at a time. Replies are
 greedy and exactly the workload's output length (``ignore_eos``).
@@ -164,9 +167,11 @@ async def serve(
     workload: Workload,
     rounds: int,
     pids: dict[str, dict[str, int]] | None = None,
+    warmup_rounds: int = 0,
 ) -> dict[str, Any]:
-    """Every stack serves ``rounds`` rounds, the order rotating; figures per stack (with
-    ``pids``, each stack's services by name, the CPU seconds each used per round)."""
+    """Every stack serves ``warmup_rounds`` untimed rounds (chats of their own), then
+    ``rounds`` rounds, the order rotating; figures per stack (with ``pids``, each
+    stack's services by name, the CPU seconds each used per round)."""
     figures: dict[str, list[dict[str, Any]]] = {name: [] for name in addresses}
     turns: dict[str, list[Turn]] = {name: [] for name in addresses}
     outputs: dict[str, list[list[list[int]]]] = {name: [] for name in addresses}  # [chat][turn]
@@ -181,6 +186,9 @@ async def serve(
         for name, client in clients.items():
             await client.generate(warmup, rid=f"warmup-{name}", sampling={"max_new_tokens": 2})
         order = list(clients)
+        for index in range(rounds, rounds + warmup_rounds):  # chats no timed round has
+            for name in order:
+                await serve_round(clients[name], workload.chats(index), workload)
         for index in range(rounds):
             for name in order[index % len(order) :] + order[: index % len(order)]:
                 chats = workload.chats(index)
@@ -273,7 +281,13 @@ def run_cell(
             for n, stack in stacks.items()
         }
         served = asyncio.run(
-            serve({n: s[2].address for n, s in stacks.items()}, workload, args.rounds, pids)
+            serve(
+                {n: s[2].address for n, s in stacks.items()},
+                workload,
+                args.rounds,
+                pids,
+                warmup_rounds=args.warmup_rounds,
+            )
         )
         if "hicache" in stacks:
             hc_after = hicache_stats(stacks["hicache"][0].address)
@@ -393,6 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(checkpoint),
         "seed": args.seed,
         "rounds": args.rounds,
+        "warmup_rounds": args.warmup_rounds,
         "stacks": args.stacks,
         "hicache_ratio": args.hicache_ratio,
         "write_policy": args.write_policy or "memsvc default",
@@ -447,6 +462,13 @@ def main(argv: list[str] | None = None) -> None:
     sizes.add_argument("--output-len", type=int, help="reply tokens per turn")
     sizes.add_argument("--in-flight", type=int, help="conversations served at a time")
     parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        help="untimed rounds each stack serves first, with chats of their own (default 1, "
+        "0 with --quick): the cell's first timed round then follows a round on every "
+        "stack, as the later ones do",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         help="rounds per cell, order rotating (default 3: the per-round median sets one "
@@ -489,6 +511,8 @@ def main(argv: list[str] | None = None) -> None:
         args.model_path = "tiny" if args.quick else "smollm2"
     if args.rounds is None:
         args.rounds = 2 if args.quick else 3
+    if args.warmup_rounds is None:
+        args.warmup_rounds = 0 if args.quick else 1
     started = time.monotonic()
     result = run(args)
     result["took_s"] = round(time.monotonic() - started, 1)
