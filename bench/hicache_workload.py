@@ -94,9 +94,10 @@ class Spec:
     pressures: tuple[float, ...]  # working set / device pool, one cell each
 
 
-# Scaled to fit the whole default matrix in about 25 minutes on two CPU cores. ``docs``
-# has enough conversations (8 x 6 turns, 4 in flight) for a tight cell: at pressure 6
-# the pool holds about one longest history (612 tokens), a sixth of the working set.
+# Scaled to fit the whole default matrix (3 rounds and a warm-up one) in about 35 minutes
+# on two CPU cores. ``docs`` has enough conversations (8 x 6 turns, 4 in flight) for a
+# tight cell: at pressure 6 the pool holds about one longest history (612 tokens), a sixth
+# of the working set.
 KINDS: dict[str, Spec] = {
     "docs": Spec("docs", 8, 6, 128, 64, 4, 4, (0.8, 2.0, 6.0)),
     "chat": Spec("chat", 8, 4, 120, 24, 8, 4, (0.8, 2.0, 4.0)),

@@ -28,7 +28,9 @@ queue (the request waiting longest) when it cannot resume here this step and
 the peer's budget takes it (what D2 would admit into preallocation now, with
 nothing retracted or queued there). Moves in flight are bounded by
 :data:`MAX_IN_FLIGHT`; the peer's figures are asked at most every
-:data:`INFO_EVERY_S` while something waits, and each move spends from them.
+:data:`INFO_EVERY_S` while something waits, and each move spends from them; a
+peer that does not answer within :data:`INFO_TIMEOUT_S` is left alone for
+:data:`PEER_DOWN_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ log = logging.getLogger("scheduler_svc")
 MAX_IN_FLIGHT = 8
 INFO_EVERY_S = 0.2
 INFO_TIMEOUT_S = 2.0
+# A peer that did not answer its info within INFO_TIMEOUT_S is not asked again for this
+# long: the step that asked waited for it, and the next ones must not.
+PEER_DOWN_WAIT_S = 10.0
 LOST_MESSAGE = "Request {rid} moved to decode node {peer}, which stopped answering."
 
 
@@ -105,13 +110,15 @@ class MigrationPeer:
         """The peer memsvc's transfer socket if the peer can take a request holding
         ``tokens`` KV slots (its reserve included) now; None otherwise."""
         now = time.monotonic()
+        if now < self._info_at:
+            return None  # the peer did not answer lately: not asked again before then
         if self._info is None or now - self._info_at >= INFO_EVERY_S:
             self._info_at = now
             try:
                 info = await asyncio.wait_for(self.client.info(), INFO_TIMEOUT_S)
-            except Exception as exc:  # a peer down or slow: nothing moves this time
-                log.debug("migration peer %s: no info (%s)", self.address, exc)
-                self._info = None
+            except Exception as exc:  # a peer down or slow: nothing moves for a while
+                log.warning("migration peer %s does not answer (%s)", self.address, exc)
+                self._info, self._info_at = None, time.monotonic() + PEER_DOWN_WAIT_S
                 return None
             self._info = info
             self._budget = int(info.get("prealloc_budget", 0))

@@ -1,0 +1,106 @@
+"""MigrationPeer's decisions (scheduler_svc.pd.migrate), against a stand-in peer.
+
+When a peer may take a moved request (its budget, its queues, its transfer
+socket; each move spends from the budget it reported), that a peer which does
+not answer is left alone for a while instead of holding up every step, and
+what counts as the peer refusing a move before it was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from scheduler_svc.pd import migrate
+from scheduler_svc.pd.migrate import MigrationPeer, Relay
+
+
+class StubClient:
+    """The peer's scheduler: ``info`` answers (or raises) as told, counting the calls."""
+
+    def __init__(self, info: dict[str, Any] | None) -> None:
+        self.reply, self.calls = info, 0
+
+    async def info(self) -> dict[str, Any]:
+        self.calls += 1
+        if self.reply is None:
+            raise TimeoutError("no answer")
+        return dict(self.reply)
+
+    def close_call(self, op_id: int) -> None:
+        pass
+
+
+def peer_with(info: dict[str, Any] | None) -> MigrationPeer:
+    peer = MigrationPeer.__new__(MigrationPeer)  # no socket: the stand-in answers
+    peer.address, peer.relays = "ipc://peer", {}
+    peer._info, peer._info_at, peer._budget = None, 0.0, 0
+    peer.client = StubClient(info)
+    return peer
+
+
+INFO = {
+    "mode": "decode",
+    "transfer_listen": "ipc://xfer",
+    "prealloc_budget": 100,
+    "queues": {"prealloc": 0, "retracted": 0},
+}
+
+
+def test_a_move_spends_the_budget_the_peer_reported() -> None:
+    peer = peer_with(INFO)
+
+    async def go() -> list[str | None]:
+        return [await peer.room_for(n) for n in (60, 50, 40)]
+
+    assert asyncio.run(go()) == ["ipc://xfer", None, "ipc://xfer"]  # 60, then 40 of 100
+    assert peer.client.calls == 1  # asked once within INFO_EVERY_S
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"mode": "normal"},
+        {"transfer_listen": None},
+        {"queues": {"prealloc": 1, "retracted": 0}},
+        {"queues": {"prealloc": 0, "retracted": 2}},
+        {"prealloc_budget": 10},
+    ],
+)
+def test_a_peer_that_cannot_take_it_now_gets_nothing(change: dict[str, Any]) -> None:
+    peer = peer_with({**INFO, **change})
+    assert asyncio.run(peer.room_for(20)) is None
+
+
+def test_a_silent_peer_is_left_alone_for_a_while(monkeypatch) -> None:
+    monkeypatch.setattr(migrate, "INFO_EVERY_S", 0.0)
+    peer = peer_with(None)
+
+    async def go() -> list[str | None]:
+        return [await peer.room_for(1) for _ in range(5)]
+
+    assert asyncio.run(go()) == [None] * 5
+    assert peer.client.calls == 1  # not asked again before PEER_DOWN_WAIT_S
+
+
+ABORTED = {"type": "abort", "message": "KV did not arrive"}
+
+
+def test_what_the_peer_said_before_the_commit_decides_a_refusal() -> None:
+    peer = peer_with(INFO)
+    for rid, replies, want in [
+        ("a", [], None),
+        ("b", [{"ok": True, "type": "chunk"}], None),
+        ("c", [{"ok": False, "code": "duplicate_rid", "message": "already here"}], "already"),
+        ("d", [None], "dropped"),
+        ("e", [{"ok": True, "type": "done", "meta_info": {"finish_reason": ABORTED}}], "arrive"),
+    ]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for reply in replies:
+            queue.put_nowait(reply)
+        peer.relays[rid] = Relay(rid, 1, queue, [7])
+        why = peer.refused(rid)
+        assert (why is None) if want is None else (want in why), (rid, why)
+        assert peer.relays[rid].held == replies  # kept for the relay, in order
