@@ -21,7 +21,8 @@ first round paid for the freshly started processes, 4-6 s more than the
 others; always the hierarchy, first in the order), every stack serves
 ``--rounds`` rounds of fresh conversations (the same ones on every stack), the
 stacks' order rotating from round to round so that drift on the machine hits
-both; per cell the per-round ratios and their median set one slowed round aside. A conversation sends its next turn (the whole history, its own replies
+both; per cell the per-round ratios and their median set one slowed round
+aside. A conversation sends its next turn (the whole history, its own replies
 token for token, plus the turn's new tokens) as soon as the streamed reply to
 the last one is complete; ``in_flight`` conversations run at a time. Replies are
 greedy and exactly the workload's output length (``ignore_eos``).

@@ -3,7 +3,8 @@
 Two sets side by side:
 
 * kvstack's own, ``kvstack_*``: the retract counters (requests / input
-  tokens / output tokens retracted, tokens re-prefilled), the
+  tokens / output tokens retracted, tokens re-prefilled; on a PD decode node,
+  the requests moved to and from another decode node), the
   ``kvstack_num_retracted_reqs`` gauge (retracted by the last retract), the
   pool's tokens by state (a hybrid model's full pool; its SWA pool's in
   ``kvstack_swa_kv_tokens`` and ``kvstack_swa_token_usage``).
@@ -118,6 +119,15 @@ class _Collector:
             ("finished_reqs", "Requests finished", stats.finished_reqs),
         ]:
             yield CounterMetricFamily(f"kvstack_{name}", doc, value=value)
+        # A PD decode node's moves to / from another decode node (scheduler_svc.pd.migrate)
+        for name, doc in [
+            ("migrated_out_reqs", "Retracted requests moved to the peer decode node"),
+            ("migrated_out_tokens", "KV tokens of the requests moved to the peer"),
+            ("migrate_failed", "Moves to the peer that failed (the request stayed here)"),
+            ("migrated_in_reqs", "Requests another decode node moved here"),
+        ]:
+            if hasattr(stats, name):
+                yield CounterMetricFamily(f"kvstack_{name}", doc, value=getattr(stats, name))
         yield GaugeMetricFamily(
             "kvstack_new_token_ratio", "Admission's new_token_ratio", value=engine.ratio.current
         )

@@ -124,7 +124,7 @@ class MigrationPeer:
             self._budget = int(info.get("prealloc_budget", 0))
         info = self._info
         queues = info.get("queues") or {}
-        if info.get("mode") != "decode" or not info.get("transfer_listen"):
+        if info.get("mode") != "decode" or not info.get("transfer_listen") or info.get("draining"):
             return None
         if queues.get("retracted") or queues.get("prealloc") or tokens > self._budget:
             return None

@@ -52,6 +52,9 @@ class MovedRequests:
         if self.mode != "decode":
             message = f"a {self.mode} node does not take moved requests (decode nodes do)"
             return error_reply(msg.op_id, "bad_request", message, 400)
+        if getattr(self.engine, "draining", False):
+            message = "this decode node is draining (its requests move to another one)"
+            return error_reply(msg.op_id, "unavailable", message, 503)
         if msg.rid in self._waiters or msg.rid in self.engine.reqs:
             message = f"request {msg.rid!r} is already here"
             return error_reply(msg.op_id, "duplicate_rid", message, 400)

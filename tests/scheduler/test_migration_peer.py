@@ -64,6 +64,7 @@ def test_a_move_spends_the_budget_the_peer_reported() -> None:
     [
         {"mode": "normal"},
         {"transfer_listen": None},
+        {"draining": True},
         {"queues": {"prealloc": 1, "retracted": 0}},
         {"queues": {"prealloc": 0, "retracted": 2}},
         {"prealloc_budget": 10},
