@@ -154,18 +154,29 @@ def test_differing_replies_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_a_second_radix_only_stack_measures_the_noise() -> None:
     bench = load_bench()
-    stack = {"ttft_p50_s": 2.0, "ttft_p99_s": 4.0, "requests_per_s": 1.0}
+    rounds = {"round_ttft_p50_s": [2.0, 2.0, 2.0], "round_wall_s": [10.0, 10.0, 10.0]}
+    stack = {"ttft_p50_s": 2.0, "ttft_p99_s": 4.0, "requests_per_s": 1.0, **rounds}
     served = {
-        "hicache": {"ttft_p50_s": 1.0, "ttft_p99_s": 4.0, "requests_per_s": 1.5},
+        "hicache": {"ttft_p50_s": 1.0, "ttft_p99_s": 4.0, "requests_per_s": 1.5,
+                    "round_ttft_p50_s": [1.0, 4.0, 1.0], "round_wall_s": [5.0, 20.0, 8.0]},
         "radix": stack,
         "radix_b": {**stack, "ttft_p50_s": 2.5, "requests_per_s": 0.9},
-    }
+    }  # fmt: skip
     assert bench.speedups(served) == {
         "ttft_p50_speedup": 2.0,
         "ttft_p99_speedup": 1.0,
         "throughput_ratio": 1.5,
+        # round by round, and the median: the slowed round (4.0 s, 20 s) is set aside
+        "round_ttft_p50_speedups": [2.0, 0.5, 2.0],
+        "round_throughput_ratios": [2.0, 0.5, 1.25],
+        "median_round_ttft_p50_speedup": 2.0,
+        "median_round_throughput_ratio": 1.25,
         "control_ttft_p50_speedup": 0.8,  # radix-only against itself, as the hierarchy is
         "control_throughput_ratio": 0.9,
+        "control_round_ttft_p50_speedups": [1.0, 1.0, 1.0],
+        "control_round_throughput_ratios": [1.0, 1.0, 1.0],
+        "control_median_round_ttft_p50_speedup": 1.0,
+        "control_median_round_throughput_ratio": 1.0,
     }
     del served["radix_b"]
     assert "control_ttft_p50_speedup" not in bench.speedups(served)
