@@ -28,6 +28,16 @@ from scheduler_svc.core import (
 from scheduler_svc.core.swa_budget import SwaSpec
 from scheduler_svc.core.swa_intake import check_swa_fits
 
+DRAINING = "this decode node is draining (its requests move to another one)"
+
+
+def out_of_vocabulary(token_ids: list[int], vocab_size: int) -> str | None:
+    """SGLang's message for the first token id outside the vocabulary, if any."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is None:
+        return None
+    return f"Token ID {bad} is out of vocabulary (vocab size: {vocab_size})"
+
 
 def refusal(
     input_ids: list[int], msg: Any, *, vocab_size: int, max_context_len: int, mode: str
@@ -36,10 +46,9 @@ def refusal(
     num = len(input_ids)
     if num == 0:  # a text that tokenizes to nothing: nothing to prefill
         return "bad_request", p.EMPTY_PROMPT, 400
-    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
+    bad = out_of_vocabulary(input_ids, vocab_size)
     if bad is not None:
-        message = f"Token ID {bad} is out of vocabulary (vocab size: {vocab_size})"
-        return "bad_request", message, 400
+        return "bad_request", bad, 400
     context = max_context_len
     if num >= context:
         message = (

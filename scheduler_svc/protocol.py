@@ -160,6 +160,9 @@ class MigrateIn(Message):
     room: int = Field(ge=0, lt=2**63)
     retractions: int = Field(default=0, ge=0, lt=2**31)
     cached_tokens: int = Field(default=0, ge=0, lt=2**63)
+    # what intake's checks read of a generate: a moved request returns no logprobs
+    return_logprob: Literal[False] = False
+    logprob_start_len: Literal[-1] = -1
 
     @model_validator(mode="after")
     def _lengths(self) -> MigrateIn:

@@ -50,7 +50,7 @@ from scheduler_svc import protocol as p
 from scheduler_svc.adopt import ADOPT_EXPIRED_STATUS, Adopted, Owner, Reattach
 from scheduler_svc.core import Req, RequestTooLargeError
 from scheduler_svc.engine import Engine
-from scheduler_svc.intake import fingerprint, new_req, refusal
+from scheduler_svc.intake import DRAINING, fingerprint, new_req, refusal
 from scheduler_svc.pd.moved import MovedRequests
 from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
@@ -296,8 +296,7 @@ class SchedulerService(MovedRequests):
             input_ids = self.tokenizer.encode(msg.text)
         digest = fingerprint(input_ids, msg)
         if self.draining:
-            message = "this decode node is draining (its requests move to another one)"
-            return error_reply(msg.op_id, "unavailable", message, 503)
+            return error_reply(msg.op_id, "unavailable", DRAINING, 503)
         if self.mode != "normal" and msg.bootstrap_room is None:
             return error_reply(
                 msg.op_id,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from memsvc import protocol as wire
 from memsvc.reply_cache import ReplyCache
 from scheduler_svc.core import Req, SamplingParams, check_fits
+from scheduler_svc.intake import DRAINING, out_of_vocabulary, refusal
 from scheduler_svc.pd.migrate import LOST_MESSAGE, Relay
 from scheduler_svc.replies import Waiter, error_reply
 
@@ -41,6 +42,7 @@ class MovedRequests:
     _finished: ReplyCache[str, tuple[str, str, bytes]]
     _outbox: asyncio.Queue[list[bytes]]
     _relays: set[asyncio.Task]
+    draining: bool
 
     if TYPE_CHECKING:
 
@@ -52,20 +54,24 @@ class MovedRequests:
         if self.mode != "decode":
             message = f"a {self.mode} node does not take moved requests (decode nodes do)"
             return error_reply(msg.op_id, "bad_request", message, 400)
-        if getattr(self.engine, "draining", False):
-            message = "this decode node is draining (its requests move to another one)"
-            return error_reply(msg.op_id, "unavailable", message, 503)
+        if self.draining:
+            return error_reply(msg.op_id, "unavailable", DRAINING, 503)
         if msg.rid in self._waiters or msg.rid in self.engine.reqs:
             message = f"request {msg.rid!r} is already here"
             return error_reply(msg.op_id, "duplicate_rid", message, 400)
         input_ids, output_ids = msg.input_ids.tolist(), msg.output_ids.tolist()
-        bad = next((t for t in input_ids + output_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            message = f"Token ID {bad} is out of vocabulary (vocab size: {self.vocab_size})"
-            return error_reply(msg.op_id, "bad_request", message, 400)
-        if len(input_ids) + msg.sampling.max_new_tokens > self.max_context_len:
-            message = f"the request does not fit the context length ({self.max_context_len})"
-            return error_reply(msg.op_id, "too_large", message, 400)
+        refused = refusal(
+            input_ids,
+            msg,
+            vocab_size=self.vocab_size,
+            max_context_len=self.max_context_len,
+            mode=self.mode,
+        )
+        bad_output = out_of_vocabulary(output_ids, self.vocab_size)
+        if refused is None and bad_output is not None:
+            refused = ("bad_request", bad_output, 400)
+        if refused is not None:
+            return error_reply(msg.op_id, *refused)
         check_fits(len(input_ids) + msg.sampling.max_new_tokens, self.capacity, self.page_size)
         req = Req(
             msg.rid,
