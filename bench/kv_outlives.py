@@ -31,11 +31,22 @@ stream's stall: the park, the send, the peer's preallocation and first step),
 node); then a node holding ``--drain-requests`` requests (16) drained the same
 way: ``drain_moved_reqs``, ``drain_s`` (until it stopped: its last relayed
 request's end), the tokens prefilled again (``*_reprefilled_tokens``) and
-token identity with the untouched run. Not measured yet: skewed load on two
-decode nodes with and without rebalancing.
+token identity with the untouched run.
+
+The skew part (``--parts skew``): ``--skew-requests`` greedy requests (24) of
+``--skew-prompt-len`` tokens (256), ``--skew-max-new`` new tokens each (96), at
+once on a PD stack whose router sends everything to decode node D1 (hot); D2
+(cold) has the same pool, each ``--skew-pool`` (0.4) of the batch's final KV,
+and a tight decode reserve (16), so that D1 retracts as its requests grow. Run
+twice: ``static`` (D1 keeps its retracted requests) and ``rebalanced`` (D1
+moves them to D2, ``--migrate-to`` with the default cost policy). Per run:
+latency (submission to last token) and TTFT p50 / p99, wall time, retracts,
+moves; ``skew_latency_p50_speedup`` / ``_p99_`` (static over rebalanced) and
+token identity between the two.
 
 The last line is JSON. Run with the repository on ``PYTHONPATH``; ``--quick``:
-the tiny model, 4 requests of 64 tokens, a 200-token move, 4 drained.
+the tiny model, 4 requests of 64 tokens, a 200-token move, 4 drained, a skewed
+load of 6 requests of 48 tokens and 64 new ones.
 """
 
 from __future__ import annotations
@@ -86,20 +97,25 @@ class Run:
         self.tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         self.arrivals: list[float] = []
         self.errors: list[str] = []
+        self.latency_s: dict[int, float] = {}  # submission to the last token
+        self.ttft_s: dict[int, float] = {}
 
     async def one(self, client: AsyncGenerateClient, i: int) -> None:
         sampling = {"max_new_tokens": self.max_new, "temperature": 0.0, "ignore_eos": True}
         got = self.tokens[i]
         rid = f"{self.prefix}-{i}"
+        started = time.monotonic()
         async for item in client.stream(self.prompts[i], rid=rid, sampling=sampling):
             if isinstance(item, Chunk):
                 got += item.token_ids
                 self.arrivals.append(time.monotonic())
+                self.ttft_s.setdefault(i, self.arrivals[-1] - started)
             elif isinstance(item, GenerateResult):
                 reason = item.finish_reason or {}
                 if reason.get("type") == "abort":
                     self.errors.append(f"{i}: {reason.get('message')}")
                 self.tokens[i] = list(item.output_ids)
+        self.latency_s[i] = time.monotonic() - started
 
     async def serve(self, address: str, kill: Any = None) -> None:
         async with AsyncGenerateClient(address, timeout_s=600.0, resubmits=6) as client:
@@ -191,6 +207,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 RESERVE = 64  # --num-reserved-decode-tokens of the move and drain runs
+SKEW_RESERVE = 16  # ... of the skewed-load runs: a tight reserve, so that D1 retracts
 
 
 def pd_pool(tokens: int, requests: int) -> list[str]:
@@ -305,6 +322,91 @@ def measure_moves(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(len(ordered) * q))], 3)
+
+
+def skew_run(
+    checkpoint: Path, prompts: list[list[int]], max_new: int, decode_pages: int, migrate: bool
+) -> dict[str, Any]:
+    """The prompts at once on a PD stack whose router sends every request to decode node
+    D1 (hot); D2 (cold, the same pool) takes only what D1 moves to it, with
+    ``migrate``. D1's pool of ``decode_pages`` holds a fraction of the batch at its
+    final length, so D1 retracts as its requests grow."""
+    tokens = max(map(len, prompts)) * len(prompts) + max_new * len(prompts)
+    with tempfile.TemporaryDirectory(prefix="kvo-skew-", dir="/tmp") as tmp, Launcher(tmp) as up:
+        decode = ["--num-pages", str(decode_pages)]
+        nodes = up.start_pd_stack(
+            checkpoint,
+            pd_pool(tokens, len(prompts)),
+            ["--worker-timeout", "900", "--num-reserved-decode-tokens", str(SKEW_RESERVE)],
+            decode_pool=decode,
+            migrate_to_pool=decode,
+            migrate=migrate,
+            transfer_backend="zmq",
+            log_level="WARNING",
+        )
+        run = Run(prompts, max_new, "skew")
+        started = time.monotonic()
+        asyncio.run(run.serve(nodes["router"].address))
+        wall_s = time.monotonic() - started
+        stats = {}
+        for node in ("d", "d2"):
+            with GenerateClient(nodes[f"scheduler-{node}"].address) as client:
+                stats[node] = client.info()["stats"]
+        for name in ("memsvc-d", "memsvc-d2", "memsvc-p"):
+            with MemClient(nodes[name].address) as mem:
+                mem.check(idle=True)
+    latency, ttft = list(run.latency_s.values()), list(run.ttft_s.values())
+    return {
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p99_s": percentile(latency, 0.99),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "wall_s": round(wall_s, 2),
+        "retracted_reqs": int(stats["d"]["retracted_reqs"]) + int(stats["d2"]["retracted_reqs"]),
+        "hot_retracted_reqs": int(stats["d"]["retracted_reqs"]),
+        "migrated_reqs": int(stats["d"]["migrated_out_reqs"]),
+        "tokens": run.tokens,
+        "errors": run.errors,
+    }
+
+
+def measure_skew(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 4's skewed load: all traffic on one decode node of two, without moving
+    retracted requests to the cold one and with it (the same prompts, greedy)."""
+    checkpoint = resolve_model_path(args.model_path)
+    rng = random.Random(args.seed + 2)
+    prompts = [
+        [rng.randrange(*args.token_range) for _ in range(args.skew_prompt_len)]
+        for _ in range(args.skew_requests)
+    ]
+    final = (args.skew_prompt_len + args.skew_max_new) * args.skew_requests
+    pages = -(-int(final * args.skew_pool) // PAGE_SIZE)
+    runs = {
+        name: skew_run(checkpoint, prompts, args.skew_max_new, pages, migrate)
+        for name, migrate in (("static", False), ("rebalanced", True))
+    }
+    static, moved = runs["static"], runs["rebalanced"]
+    out: dict[str, Any] = {
+        "skew_requests": args.skew_requests,
+        "skew_decode_pool_tokens": pages * PAGE_SIZE,
+    }
+    for name, run in runs.items():
+        for key in ("latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "wall_s"):
+            out[f"skew_{name}_{key}"] = run[key]
+        out[f"skew_{name}_retracted_reqs"] = run["retracted_reqs"]
+    out["skew_rebalanced_migrated_reqs"] = moved["migrated_reqs"]
+    for key in ("latency_p50_s", "latency_p99_s"):
+        out[f"skew_{key[:-2]}_speedup"] = round(static[key] / moved[key], 3)
+    out["skew_outputs_identical"] = (
+        static["tokens"] == moved["tokens"] and not static["errors"] and not moved["errors"]
+    )
+    out["skew_errors"] = static["errors"] + moved["errors"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", default="smollm2")
@@ -316,11 +418,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--migrate-len", type=int, default=4096)
     parser.add_argument("--drain-requests", type=int, default=16)
     parser.add_argument("--drain-prompt-len", type=int, default=256)
+    parser.add_argument("--skew-requests", type=int, default=24)
+    parser.add_argument("--skew-prompt-len", type=int, default=256)
+    parser.add_argument("--skew-max-new", type=int, default=96)
+    parser.add_argument(
+        "--skew-pool",
+        type=float,
+        default=0.4,
+        help="each decode node's pool, as a fraction of the skewed batch's final KV",
+    )
     parser.add_argument(
         "--parts",
-        default="kill,move",
-        help="kill (part 1), move (parts 2 and 3: a request "
-        "moved to another decode node, a decode node drained)",
+        default="kill,move,skew",
+        help="kill (part 1), move (parts 2 and 3: a request moved to another decode "
+        "node, a decode node drained), skew (part 4: one hot decode node of two, "
+        "with and without moving its retracted requests to the cold one)",
     )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -329,12 +441,15 @@ def main(argv: list[str] | None = None) -> int:
         args.model_path, args.requests, args.prompt_len, args.max_new = "tiny", 4, 64, 24
         args.kill_after, args.migrate_len, args.drain_requests = 4, 200, 4
         args.drain_prompt_len = 32
+        args.skew_requests, args.skew_prompt_len, args.skew_max_new = 6, 48, 64
     parts = set(args.parts.split(","))
     result: dict[str, Any] = {}
     if "kill" in parts:
         result.update(measure(args))
     if "move" in parts:
         result.update(measure_moves(args))
+    if "skew" in parts:
+        result.update(measure_skew(args))
     identical = [result[k] for k in result if k.endswith("outputs_identical")]
     result["outputs_identical"] = all(identical)
     print(json.dumps(result))

@@ -101,6 +101,7 @@ async def serve(
             engine.migration = MigrationPeer(config.migrate_to, curve=curve.client)
         if config.mode == "decode":
             engine.migrate_in_timeout_s = config.migrate_in_timeout
+            engine.migrate_always = config.migrate_policy == "always"
         recovery = Recovery(
             engine,
             connect_mem,

@@ -59,6 +59,14 @@ class SchedulerServiceConfig:
         "retracted to this node's host store that cannot resume here moves there with its "
         "KV when that node has room, instead of waiting here (its replies are relayed)",
     )
+    migrate_policy: str = setting(
+        "cost",
+        "decode mode with --migrate-to: cost: a retracted request moves when sending its KV "
+        "(bytes over the move rate seen so far) takes less time than waiting here until "
+        "the running requests' ends free room for it (decode steps of their "
+        "max_new_tokens left); always: whenever the peer has room",
+        choices=("cost", "always"),
+    )
     migrate_in_timeout: float = setting(
         30.0,
         "decode mode: seconds a request another decode node moved here waits for its KV "

@@ -125,6 +125,10 @@ class _Collector:
             ("migrated_out_tokens", "KV tokens of the requests moved to the peer"),
             ("migrate_failed", "Moves to the peer that failed (the request stayed here)"),
             ("migrated_in_reqs", "Requests another decode node moved here"),
+            (
+                "migrate_waited_steps",
+                "Steps the retracted head waited here: moving it would take longer",
+            ),
         ]:
             if hasattr(stats, name):
                 yield CounterMetricFamily(f"kvstack_{name}", doc, value=getattr(stats, name))

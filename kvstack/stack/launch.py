@@ -365,6 +365,7 @@ class Launcher:
         decode_pool: list[str] | None = None,
         decode_scheduler: list[str] = (),
         migrate_to_pool: list[str] | None = None,
+        migrate: bool = True,
         transfer_backend: TransferBackend | str = TransferBackend.AUTO,
         transfer_timeout: float = 5.0,
         model: Sequence[str] = (),
@@ -378,7 +379,8 @@ class Launcher:
         ``decode_scheduler`` add to (and win over) them on the decode node.
         ``migrate_to_pool``: a second decode node (``memsvc-d2``, ``model_svc-d2``,
         ``scheduler-d2``; ``pool`` and these flags), which the first one moves its
-        retracted requests to (``--migrate-to``); the router does not send it any.
+        retracted requests to (``--migrate-to``; not with ``migrate=False``: the
+        same nodes, none moved); the router does not send it any.
         Each memsvc's layout comes from the checkpoint; the workers split
         the usable cores (``model`` may set ``--threads``). ``router``: extra router flags.
         """
@@ -419,7 +421,7 @@ class Launcher:
             up[f"memsvc-{node}"] = self.await_started(mem_starting)
             up[f"model_svc-{node}"] = self.await_started(model_starting)
             node_scheduler = [*scheduler, *decode_scheduler] if node == "d" else list(scheduler)
-            if node == "d" and "scheduler-d2" in up:
+            if node == "d" and "scheduler-d2" in up and migrate:
                 node_scheduler += ["--migrate-to", up["scheduler-d2"].address]
             up[f"scheduler-{node}"] = self.start(
                 "scheduler_svc",

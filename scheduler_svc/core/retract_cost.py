@@ -10,10 +10,19 @@ apply::
     recompute_s = (seq_len − likely_hit) / prefill_tokens_per_s
     likely_hit  = hit_fraction × floor_page(prompt)   (learned from re-admitted victims)
     offload_s   = 2 × kv_bytes / copy_bytes_per_s        (only if the host store has room)
+
+A PD decode node with a peer (``--migrate-to``) weighs a third way for a victim
+already in its host store: moving it to the peer, against waiting here until
+the running requests' ends free room for it (``migrate_beats_waiting``)::
+
+    move_s = kv_bytes / move_bytes_per_s                   (learned from committed moves)
+    wait_s = decode_step_s × steps until enough running requests end (their
+             max_new_tokens; their growth until then is charged)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scheduler_svc.core.admission import floor_page
@@ -38,6 +47,9 @@ class RetractCostModel:
     # pressure that caused the retract may evict it first: half until observed.
     hit_fraction: float = 0.5
     prefill_observed: bool = False
+    # Moving a request's KV to another decode node (zmq or NIXL), and a decode pass.
+    move_bytes_per_s: float = 1e9
+    decode_step_s: float = 0.05
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
@@ -52,6 +64,38 @@ class RetractCostModel:
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.copy_bytes_per_s = _ema(self.copy_bytes_per_s, nbytes / seconds)
+
+    def observe_move(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.move_bytes_per_s = _ema(self.move_bytes_per_s, nbytes / seconds)
+
+    def observe_decode_step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.decode_step_s = _ema(self.decode_step_s, seconds)
+
+    def move_s(self, req: Req) -> float:
+        return self.kv_bytes(req) / self.move_bytes_per_s
+
+    def wait_s(self, need: int, allocatable: int, running: list[tuple[int, int]]) -> float:
+        """Seconds until ``need`` KV slots are allocatable here, from ``allocatable`` now,
+        if no request arrives: ``running`` holds (steps left, slots freed at its end)
+        per running request; each step until its end it takes one more slot. inf if
+        their ends never free enough."""
+        if allocatable >= need:
+            return 0.0
+        for steps in sorted({left for left, _ in running}):
+            freed = sum(slots for left, slots in running if left <= steps)
+            grown = steps * sum(1 for left, _ in running if left > steps)
+            if allocatable + freed - grown >= need:
+                return steps * self.decode_step_s
+        return math.inf
+
+    def migrate_beats_waiting(
+        self, req: Req, need: int, allocatable: int, running: list[tuple[int, int]]
+    ) -> bool:
+        """Whether moving ``req`` (in the host store) to another node now brings it back
+        sooner than waiting here for ``need`` slots."""
+        return self.move_s(req) < self.wait_s(need, allocatable, running)
 
     def observe_readmit(self, prompt_len: int, prefix_len: int) -> None:
         """A recomputed victim is back: ``prefix_len`` of its tokens hit the tree."""

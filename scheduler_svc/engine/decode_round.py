@@ -55,6 +55,8 @@ class DecodeRound(EngineBase):
         batch = list(self.running)
         result = await self._forward_and_reserve(batch)
         self.stats.forward_passes += 1
+        self.stats.decode_passes += 1
+        self.stats.decode_pass_reqs += len(batch)
         self.stats.note_decode(len(batch), time.monotonic())
         finished = []
         for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
@@ -119,7 +121,9 @@ class DecodeRound(EngineBase):
                 pool_epoch=self.mem.epoch,
             )
         finally:
-            self.stats.decode_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.stats.decode_s += seconds
+            self.cost.observe_decode_step(seconds)
 
     def _ahead_candidates(self, batch: list[Req]) -> list[Req]:
         """The requests of ``batch`` to reserve the next step's slot for while it runs:

@@ -360,6 +360,8 @@ class PrefillRound(EngineBase):
         self.stats.prefill_s += seconds
         self.stats.reprefill_s += seconds * num_reprefill / max(num_tokens, 1)
         self.stats.forward_passes += 1
+        self.stats.prefill_passes += 1
+        self.stats.prefill_pass_reqs += len(batch)
         prefilled: list[tuple[Req, int]] = []
         for i, (req, token) in enumerate(zip(batch, result.next_token_ids.tolist(), strict=True)):
             count = req.extend_len

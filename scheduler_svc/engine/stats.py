@@ -16,6 +16,12 @@ GEN_THROUGHPUT_PASSES = 40  # SGLang's decode_log_interval
 @dataclass
 class EngineStats:
     forward_passes: int = 0
+    # Batch composition: passes of each kind, and the requests they carried in all
+    # (a pass's mean batch is reqs / passes).
+    prefill_passes: int = 0
+    prefill_pass_reqs: int = 0
+    decode_passes: int = 0
+    decode_pass_reqs: int = 0
     retract_events: int = 0
     retracted_reqs: int = 0
     retracted_input_tokens: int = 0

@@ -53,6 +53,8 @@ class DecodeEngine(Engine):
         # what the service does with a committed one (relays its replies).
         self.migration: MigrationPeer | None = None
         self.migrating: dict[int, Req] = {}
+        self.migrate_always = False  # --migrate-policy always: no cost model
+        self._moving_since: dict[int, float] = {}  # room -> when its send started
         self.draining = False  # every request moves to the peer (SIGTERM with a peer)
         self.on_migrated: Callable[[Req], None] = lambda req: None
         # Moved here from another node, their KV on its way: rid -> when they give up on it.
@@ -69,6 +71,7 @@ class DecodeEngine(Engine):
             "migrated_out_tokens",
             "migrate_failed",
             "migrated_in_reqs",
+            "migrate_waited_steps",
         ):
             setattr(self.stats, name, 0)
 
@@ -227,6 +230,9 @@ class DecodeEngine(Engine):
             req = self.retracted[0]
             if not req.host_copy:
                 break
+            if not (self.draining or self.migrate_always or self._move_pays(req)):
+                self.stats.migrate_waited_steps += 1
+                break
             peer = await self.migration.room_for(self._required(req))
             if peer is None:
                 break
@@ -247,10 +253,26 @@ class DecodeEngine(Engine):
                 break
             self.retracted.popleft()
             self.migrating[room] = req
+            self._moving_since[room] = time.perf_counter()
             await self.migration.hand_over(req, room)
             self._event("migrate", req)
             started = True
         return started
+
+    def _move_pays(self, req: Req) -> bool:
+        """The retract cost model's choice for ``req``, retracted to the host store: moving
+        it beats waiting here for its slots (scheduler_svc.core.retract_cost)."""
+        reserve = self.config.num_reserved_decode_tokens
+        clip = self.config.clip_max_new_tokens
+        running = [
+            (
+                max(min(r.sampling_params.max_new_tokens, clip) - len(r.output_ids), 1),
+                self._held(r) + reserve,
+            )
+            for r in self.running
+        ]
+        allocatable = self._allocatable(count_retracted=False)
+        return self.cost.migrate_beats_waiting(req, self._required(req), allocatable, running)
 
     async def _park_running(self) -> bool:
         """Draining: every running request's KV goes to the host store (as a retract by
@@ -295,6 +317,7 @@ class DecodeEngine(Engine):
         done += await settled_rooms(self.mem, [r for r in self.migrating if r not in refused])
         for report in done:
             req = self.migrating.pop(report["room"])
+            started = self._moving_since.pop(report["room"], None)
             if report["state"] == KVPoll.FAILED:
                 log.warning("request %s did not move: %s", req.rid, report["why"])
                 self.stats.migrate_failed += 1
@@ -303,6 +326,8 @@ class DecodeEngine(Engine):
                 continue
             await self.mem.host_discard(req.rid)
             req.host_copy = False
+            if started is not None:
+                self.cost.observe_move(self.cost.kv_bytes(req), time.perf_counter() - started)
             self.stats.migrated_out_reqs += 1
             self.stats.migrated_out_tokens += req.seq_len - 1
             self.reqs.pop(req.rid, None)
@@ -503,6 +528,7 @@ class DecodeEngine(Engine):
             for req in self.migrating.values():
                 self.migration.finished(req.rid)
         self.migrating.clear()
+        self._moving_since.clear()
         self.running.clear()
         self.transfer.clear()
         self.retracted.clear()
@@ -517,6 +543,7 @@ class DecodeEngine(Engine):
         moving = next((room for room, r in self.migrating.items() if r is req), None)
         if moving is not None:  # its send is cancelled; the host copy goes below
             del self.migrating[moving]
+            self._moving_since.pop(moving, None)
             if self.migration is not None:
                 await self.migration.cancel(req.rid)
             await self.mem.pd_forget([moving])

@@ -189,9 +189,11 @@ def test_priority_scheduling_adds_sglangs_priority_label_and_pd_roles_name_the_e
         assert value(families, "sglang:num_transfer_failed_reqs_total", labels) == 3
         assert "kvstack_migrated_out_reqs_total" not in families  # not a decode engine
         engine.stats.migrated_out_reqs, engine.stats.migrated_in_reqs = 4, 2
+        engine.stats.migrate_waited_steps = 5
         families = scrape(registry)
         assert value(families, "kvstack_migrated_out_reqs_total", {}) == 4
         assert value(families, "kvstack_migrated_in_reqs_total", {}) == 2
+        assert value(families, "kvstack_migrate_waited_steps_total", {}) == 5
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())

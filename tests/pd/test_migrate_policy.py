@@ -1,0 +1,109 @@
+"""Whether a decode node moves a retracted request to its peer, per victim (issue 32).
+
+The real DecodeEngine and memsvc core in process (:mod:`tests.pd.decode_harness`);
+the peer is a stand-in that always has room, and takes nothing: each move it is
+offered it refuses, so the request goes back to the head of the retracted queue
+and resumes here. What is checked is the choice: with ``--migrate-policy cost``
+a victim moves only when sending its KV takes less than waiting here for its
+slots; with ``always``, whenever the peer has room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstack.sim.worker import expected_output
+from memsvc.handlers import MemService
+from scheduler_svc.core import Req
+from tests.helpers import pool_service
+from tests.pd.decode_harness import DecodeNode
+
+
+class RefusingPeer:
+    """A peer with room for everything, which refuses each move once offered."""
+
+    address = "ipc://peer"
+
+    def __init__(self) -> None:
+        self.offered: list[str] = []
+
+    async def room_for(self, tokens: int) -> str:
+        return "ipc://peer-transfer"
+
+    async def hand_over(self, req: Req, room: int) -> None:
+        self.offered.append(req.rid)
+
+    def refused(self, rid: str) -> str | None:
+        return "the test's peer takes nothing"
+
+    async def cancel(self, rid: str) -> None:
+        pass
+
+    def finished(self, rid: str) -> None:
+        pass
+
+
+@pytest.fixture
+def pool() -> Iterator[MemService]:
+    with pool_service(4, num_pages=64) as svc:  # 256 tokens, a host store as large
+        yield svc
+
+
+def run_under_pressure(pool: MemService, **engine: Any) -> tuple[DecodeNode, RefusingPeer, list]:
+    """Six requests whose growth overflows the pool: the node retracts some to the host
+    store; returns the node, the peer and the rooms the node sent KV to."""
+    sends: list[tuple[str, dict[str, Any]]] = []
+
+    async def scenario() -> DecodeNode:
+        node = await DecodeNode(pool, num_reserved_decode_tokens=4).start()
+        peer = RefusingPeer()
+        node.engine.migration = peer
+        for key, value in engine.items():
+            obj = node.engine.cost if key in ("move_bytes_per_s", "decode_step_s") else node.engine
+            setattr(obj, key, value)
+
+        async def pd_send(rid: str, room: int, *args: Any, **kwargs: Any) -> None:
+            sends.append((rid, kwargs))
+
+        node.mem.pd_send = pd_send
+        prompts = {f"r{i}": [(i + 5) * (j + 1) % 241 + 1 for j in range(30)] for i in range(6)}
+        for rid, prompt in prompts.items():
+            node.submit(rid, prompt, 40)
+        node.release()
+
+        def before_step(i: int) -> None:
+            node.release()  # every transfer succeeds at once
+
+        await node.run(before_step=before_step)
+        assert node.engine.stats.retracted_reqs > 0, "the pool never ran short: no victim"
+        for rid, prompt in prompts.items():
+            assert node.done[rid].output_ids == expected_output(prompt, 40), rid
+        pool.pool.check_integrity(idle=True)
+        node.peer = peer
+        return node
+
+    node = asyncio.run(scenario())
+    return node, node.peer, sends
+
+
+def test_a_slow_link_keeps_the_victim_waiting_here(pool: MemService) -> None:
+    node, peer, sends = run_under_pressure(pool, move_bytes_per_s=1.0)
+    assert sends == [] and peer.offered == []
+    assert node.engine.stats.migrate_waited_steps > 0
+
+
+def test_a_fast_link_moves_the_victim(pool: MemService) -> None:
+    node, peer, sends = run_under_pressure(pool, move_bytes_per_s=1e15)
+    assert sends and all(kwargs.get("from_host") for _, kwargs in sends)
+    assert peer.offered == [rid for rid, _ in sends]
+    assert node.engine.stats.migrate_failed == len(sends)  # each refused: resumed here
+
+
+def test_always_moves_whatever_the_cost(pool: MemService) -> None:
+    node, peer, sends = run_under_pressure(pool, move_bytes_per_s=1.0, migrate_always=True)
+    assert peer.offered == [rid for rid, _ in sends]
+    assert sends and node.engine.stats.migrate_waited_steps == 0
