@@ -9,6 +9,13 @@ Examples::
     kvstack sim --trace trace.jsonl --sweep retraction_policy=length,cost
     kvstack sim --requests 200 --input-len uniform:1024:4096 --sliding-window 512 \
         --sweep swa_full_tokens_ratio=0.2,0.8
+    kvstack sim --skew --requests 2000 --pool-tokens 100000 \
+        --set num_reserved_decode_tokens=16
+
+``--skew``: two PD decode nodes of ``--pool-tokens`` each (kvstack.sim.pair),
+every request to the first; each configuration runs twice, the hot node keeping
+its retracted requests (``migrate=off``) and moving them to the cold one
+(``migrate=on``).
 
 Prints a table (one row per configuration; several with ``--sweep``), and with
 ``--json`` one JSON object on the last line. Exit status 2 on a bad setting.
@@ -27,7 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvstack.sim import runner
+from kvstack.sim import pair, runner
 from kvstack.sim.costmodel import CostModel
 from kvstack.sim.runner import SimResult
 from kvstack.sim.settings import (
@@ -103,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=V1,V2,...",
         help="run every value (repeatable: the cartesian product)",
     )
+    runs.add_argument(
+        "--skew",
+        action="store_true",
+        help="two PD decode nodes, every request to the first (hot) one: each configuration "
+        "without and with the hot node moving its retracted requests to the cold one "
+        "(issue 32's skewed load); the prefill node is a FIFO server at --prefill-tok-per-s",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--plots", metavar="DIR", help="write PNG plots here")
     out.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -120,11 +134,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstack sim: {exc}", file=sys.stderr)
         return 2
     with _engine_logs(verbose=args.verbose):
-        results = [runner.run(spec, workload, settings=s, seed=args.seed) for s, spec in runs]
+        try:
+            results = _run_all(args, runs, workload)
+        except ValueError as exc:
+            print(f"kvstack sim: {exc}", file=sys.stderr)
+            return 2
     widest = max(len(label(r.settings)) for r in results)
     console = Console(width=max(Console().width, 120 + widest))
     console.print(_describe(args, workload))
-    console.print(results_table(results))
+    console.print(results_table(results, SKEW_COLUMNS if args.skew else []))
     if args.plots:
         from kvstack.sim.plots import write_plots  # matplotlib only when asked
 
@@ -136,6 +154,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_json_report(args, workload, runs[0][1], results)))
     return 1 if wrong else 0
+
+
+def _run_all(
+    args: argparse.Namespace, runs: list[tuple[dict[str, str], SimSpec]], workload: list
+) -> list[SimResult]:
+    if not args.skew:
+        return [runner.run(spec, workload, settings=s, seed=args.seed) for s, spec in runs]
+    return [
+        pair.run(spec, workload, migrate=migrate, settings=s, seed=args.seed)
+        for s, spec in runs
+        for migrate in (False, True)
+    ]
 
 
 @contextlib.contextmanager
@@ -224,14 +254,19 @@ COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def results_table(results: list[SimResult]) -> Table:
+# --skew adds: the TTFT tail and the hot node's moves
+SKEW_COLUMNS: list[tuple[str, str]] = [("p99_ttft_s", "p99 TTFT s"), ("migrated_reqs", "moved")]
+
+
+def results_table(results: list[SimResult], extra: list[tuple[str, str]] = ()) -> Table:
+    columns = [*COLUMNS, *extra]
     table = Table(title="kvstack sim (simulated time)")
     table.add_column("configuration", no_wrap=True)
-    for _, title in COLUMNS:
+    for _, title in columns:
         table.add_column(title, justify="right")
     table.add_column("wall s", justify="right")
     for result in results:
-        cells = [_cell(result.totals.get(key)) for key, _ in COLUMNS]
+        cells = [_cell(result.totals.get(key)) for key, _ in columns]
         table.add_row(label(result.settings), *cells, f"{result.wall_s:.2f}")
     return table
 
@@ -270,4 +305,20 @@ def _json_report(
         else None,
         "cost": spec.cost.as_dict(),
         "results": [r.summary() for r in results],
+        **({"skew": _skew_speedups(results)} if args.skew else {}),
     }
+
+
+def _skew_speedups(results: list[SimResult]) -> list[dict[str, Any]]:
+    """Per configuration: migrate=off's latency over migrate=on's (above 1: moving helps)."""
+    out = []
+    for static, moved in zip(results[::2], results[1::2], strict=True):
+        settings = {k: v for k, v in static.settings.items() if k != "migrate"}
+        row: dict[str, Any] = {"settings": settings}
+        for key in ("p50_latency_s", "p99_latency_s", "p50_ttft_s", "p99_ttft_s"):
+            a, b = static.totals.get(key), moved.totals.get(key)
+            row[f"{key[:-2]}_speedup"] = round(a / b, 3) if a and b else None
+        row["retractions"] = [static.totals["retractions"], moved.totals["retractions"]]
+        row["migrated_reqs"] = moved.totals["migrated_reqs"]
+        out.append(row)
+    return out

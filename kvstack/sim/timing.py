@@ -1,9 +1,10 @@
 """The engine's own timings, taken from the simulated clock instead of the wall clock.
 
-``retract_mode=auto`` chooses per victim between recompute and offload from a
+``retract_mode=auto`` chooses per victim between recompute and offload (and a
+decode node with a peer between moving a victim and keeping it) from a
 :class:`~scheduler_svc.core.retract_cost.RetractCostModel` that the engine
 feeds with wall-clock measurements (``time.perf_counter()`` around each
-extend and each host-store load). In the simulator those calls take
+extend, decode pass, host-store load and move). In the simulator those calls take
 microseconds of wall time, so the learned rates would be meaningless and
 would vary from run to run. :class:`SimRetractCost` keeps the engine's
 model and its learning rule, but replaces each measured duration by the
@@ -37,6 +38,12 @@ class SimRetractCost(RetractCostModel):
     def observe_copy(self, nbytes: int, seconds: float) -> None:
         super().observe_copy(nbytes, self._last("copy"))
 
+    def observe_decode_step(self, seconds: float) -> None:
+        super().observe_decode_step(self._last("decode"))
+
+    def observe_move(self, nbytes: int, seconds: float) -> None:
+        super().observe_move(nbytes, self._last("move"))
+
     def _last(self, kind: str) -> float:
         assert self.clock is not None
         return self.clock.last_s.get(kind, 0.0)
@@ -49,5 +56,7 @@ def clock_engine_costs(engine: Any, clock: SimClock, cost: CostModel) -> None:
         return
     values = {f.name: getattr(current, f.name) for f in fields(RetractCostModel)}
     if current.bytes_per_token and cost.bytes_per_token:
-        values["copy_bytes_per_s"] *= current.bytes_per_token / cost.bytes_per_token
+        scale = current.bytes_per_token / cost.bytes_per_token
+        values["copy_bytes_per_s"] *= scale
+        values["move_bytes_per_s"] *= scale
     engine.cost = SimRetractCost(**values, clock=clock)

@@ -39,7 +39,9 @@ class ProcessSpec:
     ``kind`` names its health check in :data:`HEALTH_CHECKS`. ``starts_early``: it is
     spawned with the first process, not once those before it serve, as it waits for
     what it needs itself (model_svc imports torch and loads its model meanwhile, then
-    waits for memsvc's ready file).
+    waits for memsvc's ready file). ``drains``: SIGTERM makes it drain (a PD decode
+    scheduler with ``--migrate-to`` moves its requests to its peer, then exits); the
+    supervisor stops it first and waits for it while the rest of the stack serves.
     """
 
     name: str
@@ -51,6 +53,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     extra_files: tuple[Path, ...] = ()  # removed when the stack stops
     starts_early: bool = False
+    drains: bool = False
 
 
 @dataclass
@@ -255,6 +258,7 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
             kind="scheduler_svc",
             env=dict(options.env),
             extra_files=(session_file,),
+            drains=any(a == "--migrate-to" or a.startswith("--migrate-to=") for a in extra),
         )
     router = service_spec(
         run_dir,

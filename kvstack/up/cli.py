@@ -168,6 +168,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="ARG",
             help=f"pass ARG to {name} (e.g. --{name}-arg=--log-level=DEBUG)",
         )
+    extra.add_argument(
+        "--decode-scheduler-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--mode pd: pass ARG to the decode node's scheduler only (e.g. "
+        "--decode-scheduler-arg=--migrate-to=ADDRESS: it then drains on SIGTERM)",
+    )
     sup = parser.add_argument_group("supervision")
     sup.add_argument("--backoff-initial", type=float, default=0.5, help="first restart delay (s)")
     sup.add_argument("--backoff-max", type=float, default=30.0, help="longest restart delay (s)")
@@ -183,6 +191,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sup.add_argument(
         "--health-timeout", type=float, default=3.0, help="seconds one health check may take"
+    )
+    sup.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="on SIGTERM / Ctrl-C, seconds a decode scheduler with --migrate-to (a "
+        "--decode-scheduler-arg) has to move its requests to its peer while the rest of "
+        "the stack serves, before it is stopped",
     )
     parser.add_argument(
         "--log-level",
@@ -210,6 +226,7 @@ def options_from_args(args: argparse.Namespace) -> StackOptions:
         memsvc_args=[*model.memsvc_args, *service_argv(args, MEMSVC), *args.memsvc_arg],
         model_args=[*model.model_args, *args.model_arg],
         scheduler_args=[*scheduler, *args.scheduler_arg],
+        decode_scheduler_args=list(args.decode_scheduler_arg),
         router_args=[*service_argv(args, ROUTER), *args.router_arg],
         curve=curve,
         **transfer_options(args),
@@ -221,6 +238,8 @@ def build_specs(
 ) -> tuple[str, StackOptions, list[ProcessSpec]]:
     """(mode, options, process list): one stack, or with ``--nodes`` (or
     ``--prefill-nodes`` / ``--decode-nodes``) a cluster (:mod:`kvstack.up.cluster`)."""
+    if args.decode_scheduler_arg and (args.mode != "pd" or args.nodes is not None):
+        raise StackUnavailableError("--decode-scheduler-arg is for one PD stack (--mode pd)")
     if args.nodes is None and args.prefill_nodes is None and args.decode_nodes is None:
         options = options_from_args(args)
         return args.mode, options, build_process_list(args.mode, run_dir, options)
@@ -282,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         health_timeout_s=args.health_timeout,
         health_interval_s=args.health_interval,
+        drain_timeout_s=args.drain_timeout,
         new_session=True,
         die_with_parent=True,
         curve=options.curve,

@@ -14,7 +14,11 @@
   memsvc's shared-memory segments are unlinked before its successor starts.
   Only the dead process restarts: the others reconnect to it themselves;
 - ``stop()`` stops the processes last first (SIGTERM, then SIGKILL after a
-  grace period) and removes their shm segments, sockets and ready files.
+  grace period) and removes their shm segments, sockets and ready files. A
+  process that drains on SIGTERM (``ProcessSpec.drains``: a PD decode scheduler
+  with ``--migrate-to``) is signalled first, and the others stay up until it
+  exited or ``drain_timeout_s`` passed: its requests move to its peer and their
+  replies still reach their clients through the router.
 
 The state file (``state.json`` in the run directory) holds every process's
 pid, address, state, health and restarts; ``kvstack status`` reads it.
@@ -124,6 +128,7 @@ class Supervisor:
         health_timeout_s: float = 3.0,
         health_interval_s: float = 5.0,
         stop_timeout_s: float = 30.0,
+        drain_timeout_s: float = 600.0,
         new_session: bool = False,
         die_with_parent: bool = True,
         curve: KeyFolder | None = None,
@@ -136,6 +141,7 @@ class Supervisor:
         self.health_timeout_s = health_timeout_s
         self.health_interval_s = health_interval_s
         self.stop_timeout_s = stop_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         self.new_session = new_session
         self.die_with_parent = die_with_parent
         self.procs = [Managed(spec) for spec in specs]
@@ -380,10 +386,29 @@ class Supervisor:
             self._stopping = True
             self.status = "stopping"
             self.write_state()
+            self._drain()
             for managed in reversed(self.procs):
                 self._stop_one(managed)
             self.status = "stopped"
             self.write_state()
+
+    def _drain(self) -> None:
+        """SIGTERM the processes that drain on it, then wait for them (the rest serves)."""
+        draining = [
+            m for m in self.procs if m.spec.drains and m.proc is not None and m.proc.poll() is None
+        ]
+        for managed in draining:
+            log.info("draining %s (SIGTERM; the stack serves until it exits)", managed.spec.name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(managed.proc.pid, signal.SIGCONT)
+            managed.proc.terminate()
+        deadline = time.monotonic() + self.drain_timeout_s
+        for managed in draining:
+            try:
+                managed.proc.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                name, limit = managed.spec.name, self.drain_timeout_s
+                log.warning("%s did not drain in %.0fs: stopping it", name, limit)
 
     def _stop_one(self, managed: Managed) -> None:
         proc = managed.proc

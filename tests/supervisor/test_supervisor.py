@@ -417,3 +417,74 @@ def test_a_process_that_starts_early_overlaps_those_before_it(run_dir: Path) -> 
     finally:
         supervisor.stop()
     assert len(pids) == 2 and not [pid for pid in pids if pid_alive(pid)]
+
+
+def draining_spec(run_dir: Path, other: ProcessSpec) -> ProcessSpec:
+    """A process that, on SIGTERM, drains for a second (as a decode scheduler with
+    --migrate-to moves its requests), then writes ``drained.json``: whether ``other``
+    was still up by then; then it exits."""
+    ready, out = run_dir / "drainer.ready", run_dir / "drained.json"
+    code = f"""
+import json, os, pathlib, signal, time
+other = pathlib.Path({str(other.ready_file)!r})
+def drain(*_):
+    time.sleep(1.0)
+    pid = json.loads(other.read_text())["pid"]
+    try:
+        os.kill(pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    pathlib.Path({str(out)!r}).write_text(json.dumps({{"other_alive": alive}}))
+    os._exit(0)
+signal.signal(signal.SIGTERM, drain)
+pathlib.Path({str(ready)!r}).write_text(json.dumps({{"pid": os.getpid()}}))
+while True:
+    time.sleep(1)
+"""
+    return ProcessSpec(
+        "drainer",
+        "none",
+        (sys.executable, "-c", code),
+        f"ipc://{run_dir}/drainer.sock",
+        ready,
+        run_dir / "drainer.log",
+        drains=True,
+    )
+
+
+def test_a_draining_process_stops_first_while_the_rest_serves(run_dir: Path) -> None:
+    """SIGTERM to `kvstack up` with a decode scheduler that drains (--migrate-to): it
+    is signalled first and the rest of the stack (here ``other``, which a stop in
+    reverse start order would stop first) stays up until it exited."""
+    other = waiting_spec(run_dir, "other", run_dir / "drainer.ready")
+    drainer = draining_spec(run_dir, other)
+    policy = RestartPolicy(ready_timeout_s=60)
+    supervisor = Supervisor([drainer, other], run_dir, policy=policy, stop_timeout_s=5)
+    try:
+        supervisor.start()
+        pids = supervisor.all_pids()
+    finally:
+        supervisor.stop()
+    drained = json.loads((run_dir / "drained.json").read_text())
+    (run_dir / "drained.json").unlink()
+    assert drained == {"other_alive": True}, "the rest of the stack stopped before the drain"
+    assert supervisor["drainer"].last_exit_code == 0  # it drained and exited, not killed
+    assert len(pids) == 2 and not [pid for pid in pids if pid_alive(pid)]
+
+
+def test_pd_stack_marks_a_decode_scheduler_with_a_peer_as_draining(run_dir: Path) -> None:
+    options = StackOptions(decode_scheduler_args=["--migrate-to=ipc:///tmp/peer.sock"])
+    specs = {s.name: s for s in build_process_list("pd", run_dir, options)}
+    assert specs["scheduler-d"].drains and "--migrate-to=ipc:///tmp/peer.sock" in (
+        specs["scheduler-d"].command
+    )
+    assert not specs["scheduler-p"].drains and not specs["router"].drains
+    plain = {s.name: s for s in build_process_list("pd", run_dir, StackOptions())}
+    assert not plain["scheduler-d"].drains
+
+
+def test_decode_scheduler_args_need_a_pd_stack(run_dir: Path) -> None:
+    done = kvstack("up", "--run-dir", str(run_dir), "--decode-scheduler-arg=--migrate-to=x")
+    assert done.returncode == 2
+    assert "--decode-scheduler-arg is for one PD stack (--mode pd)" in done.stderr
