@@ -7,7 +7,8 @@ session, as :class:`Record`\\ s:
 
 - ``commit`` (:class:`~memsvc.protocol.Commit`) opens records (the scheduler's
   opaque ``meta``, with the prompt's length), appends each record's new output
-  tokens (append-only: a record's ``offset`` must be its length), says how many
+  tokens (append-only: a record's ``offset`` must be its length) with an opaque
+  chunk of the scheduler's per token (its logprobs, ``extras``), says how many
   of its KV positions are known written (``kv_committed``) and closes records.
   memsvc stamps ``kv_committed`` with the row it was said of (the open
   request's :class:`~memsvc.core.pool.ReqKV`, an object made anew each time the
@@ -81,10 +82,12 @@ class Record:
     kv_committed: int = 0  # KV positions known written, of the row ``kv_row``
     kv_row: object | None = None  # the ReqKV the commit saw (identity: that row)
     retractions: int = 0
+    extras: list[bytes] = field(default_factory=list)  # the scheduler's chunks, in order
 
     @property
     def nbytes(self) -> int:
-        return len(self.meta) + 8 * len(self.outputs) + RECORD_OVERHEAD_BYTES
+        extras = sum(map(len, self.extras))
+        return len(self.meta) + 8 * len(self.outputs) + extras + RECORD_OVERHEAD_BYTES
 
 
 @dataclass
@@ -160,7 +163,7 @@ def commit(service: MemService, session: Session, msg: p.Commit) -> dict[str, An
     if missing:
         raise InvalidArgumentError(f"commit: no record to drop for {missing[:3]}")
     num_tokens = msg.token_ids.size if msg.rids else 0
-    growth = sum(r.nbytes for r in added.values()) + 8 * num_tokens
+    growth = sum(r.nbytes for r in added.values()) + 8 * num_tokens + sum(map(len, msg.extras))
     growth -= sum(r.nbytes for r in dropped)
     count = len(records) + len(added) - len(dropped)
     if count > service.journals.max_records or journal.nbytes + growth > service.journals.max_bytes:
@@ -173,12 +176,15 @@ def commit(service: MemService, session: Session, msg: p.Commit) -> dict[str, An
     if msg.rids:
         entries = msg.entries.reshape(-1, p.COMMIT_ENTRY_FIELDS).tolist()
         tokens = msg.token_ids.tolist()
+        extras = msg.extras or [b""] * len(msg.rids)
         start = 0
-        for rid, (_, num, kv_committed, retractions), row in zip(
-            msg.rids, entries, rows, strict=True
+        for rid, (_, num, kv_committed, retractions), row, extra in zip(
+            msg.rids, entries, rows, extras, strict=True
         ):
             record = records[rid]
             record.outputs += tokens[start : start + num]
+            if extra:
+                record.extras.append(extra)
             start += num
             record.kv_committed, record.kv_row = kv_committed, row
             record.retractions = retractions
@@ -292,6 +298,7 @@ def adopt(service: MemService, session: Session, msg: p.Adopt) -> dict[str, Any]
                 "meta": record.meta,
                 "outputs": record.outputs,
                 "retractions": record.retractions,
+                "extras": record.extras,
                 "kv": verdict.kv,
                 "row": verdict.row,
                 "kv_len": verdict.kv_len,

@@ -346,7 +346,9 @@ class Commit(Message):
     ``new_*``: records opened (the scheduler's opaque ``meta`` and the prompt's
     length); ``rids`` / ``entries`` (``ENTRY_FIELDS`` ints per rid: the output offset
     of its first new token, how many, the KV positions known written, the retract
-    count) with the new tokens concatenated in ``token_ids``; ``drop``: records closed.
+    count) with the new tokens concatenated in ``token_ids``; ``extras`` (one per rid
+    of ``rids``, or none): an opaque chunk appended to the record beside its tokens
+    (the scheduler's logprobs of them; empty: nothing); ``drop``: records closed.
     """
 
     op: Literal["commit"]
@@ -356,6 +358,7 @@ class Commit(Message):
     rids: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
     entries: IntArray | None = None
     token_ids: IntArray | None = None
+    extras: list[bytes] = Field(default_factory=list, max_length=MAX_BATCH)
     drop: list[RequestId] = Field(default_factory=list, max_length=MAX_BATCH)
     ratio: float | None = None
 
@@ -367,6 +370,8 @@ class Commit(Message):
             raise ValueError("rids need entries and token_ids")
         if self.entries is not None and self.entries.size != COMMIT_ENTRY_FIELDS * len(self.rids):
             raise ValueError(f"entries needs {COMMIT_ENTRY_FIELDS} ints per rid")
+        if self.extras and len(self.extras) != len(self.rids):
+            raise ValueError("extras needs one chunk per rid of rids (or none at all)")
         for names in (self.new_rids, self.rids, self.drop):
             if len(set(names)) != len(names):
                 raise ValueError("a rid appears twice in one list")

@@ -5,8 +5,10 @@ successor needs (:mod:`memsvc.adoption`). This module is the scheduler's side:
 
 - :class:`Journal` (the engine's ``journal``, normal mode) commits each
   request once when it is first seen (its :func:`pack_meta` record: rid, the
-  owning client and its fingerprint, prompt, sampling, priority, namespace),
-  then only what changed: new output tokens (append-only), the KV positions
+  owning client and its fingerprint, prompt, sampling, priority, namespace,
+  what logprobs it returns), then only what changed: new output tokens
+  (append-only; a ``return_logprob`` request's logprobs of them, and of its
+  prompt once computed, in an opaque chunk beside them), the KV positions
   known written (those of its row when it is RUNNING, each position written
   by a forward pass that completed), the retract count; and closes the
   records of requests that ended. The decode round sends it beside the
@@ -77,9 +79,8 @@ class Owner(NamedTuple):
 
 
 def adoptable(req: Req) -> bool:
-    """Whether a successor can continue ``req`` exactly: not a PD hand-off, and no
-    logprobs (the records keep no logprobs)."""
-    return req.bootstrap_room is None and not req.return_logprob
+    """Whether a successor can continue ``req`` exactly: not a PD hand-off."""
+    return req.bootstrap_room is None
 
 
 def pack_meta(req: Req, owner: Owner) -> bytes:
@@ -94,6 +95,9 @@ def pack_meta(req: Req, owner: Owner) -> bytes:
             "prompt": req.origin_input_ids,
             "priority": req.priority,
             "namespace": req.namespace,
+            "logprob": (
+                [req.logprob_start_len, req.top_logprobs_num] if req.return_logprob else None
+            ),
             "sampling": {
                 "max_new_tokens": sp.max_new_tokens,
                 "ignore_eos": sp.ignore_eos,
@@ -124,6 +128,37 @@ class _Committed:
     outputs: int
     kv: int
     retractions: int
+    logprobs: int = 0  # output logprobs committed
+    input_logprobs: bool = False  # the prompt's, once computed
+
+
+def logprob_chunk(req: Req, before: _Committed) -> bytes:
+    """What of ``req``'s logprobs memsvc was not told yet (b"": nothing): the output
+    ones past ``before.logprobs``, the prompt's once computed."""
+    state, chunk = req.logprob, {}
+    if len(state.output_vals) > before.logprobs:
+        chunk["o"] = state.output_vals[before.logprobs :]
+        if req.top_logprobs_num > 0:
+            chunk["ot"] = state.output_tops[before.logprobs :]
+    if state.input_done and not before.input_logprobs:
+        chunk["i"], chunk["it"] = state.input_vals, state.input_tops
+    return msgpack.packb(chunk, use_bin_type=True) if chunk else b""
+
+
+def replay_logprobs(req: Req, chunks: list[bytes]) -> None:
+    """Put the committed ``chunks`` back into ``req``'s logprob state, as far as its
+    committed outputs go."""
+    state = req.logprob
+    for raw in chunks:
+        chunk = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        state.output_vals += chunk.get("o", [])
+        state.output_tops += chunk.get("ot", [])
+        if "i" in chunk:
+            state.input_vals, state.input_tops = chunk["i"], chunk["it"]
+            state.input_done = True
+    num = len(req.output_ids)
+    state.output_vals = state.output_vals[:num]
+    state.output_tops = state.output_tops[:num] if req.top_logprobs_num > 0 else []
 
 
 class CommitCost(NamedTuple):
@@ -154,7 +189,7 @@ class Journal:
 
     def _changes(self, engine: EngineBase) -> tuple[dict[str, Any], dict[str, np.ndarray], dict]:
         new_rids, new_meta, prompt_lens = [], [], []
-        rids, entries, tokens = [], [], []
+        rids, entries, tokens, extras = [], [], [], []
         after: dict[str, _Committed] = {}
         for rid, req in engine.reqs.items():
             if req.is_finished or not adoptable(req):
@@ -170,12 +205,16 @@ class Journal:
                 before = _Committed(0, 0, 0)
             # RUNNING between steps: every position but the last token's is written
             kv = req.kv_len if req.state is ReqState.RUNNING else 0
-            now = _Committed(len(req.output_ids), kv, req.retraction_count)
+            lp = req.logprob
+            now = _Committed(
+                len(req.output_ids), kv, req.retraction_count, len(lp.output_vals), lp.input_done
+            )
             if now == before and rid in self.committed:
                 continue
             rids.append(rid)
             entries += [before.outputs, now.outputs - before.outputs, kv, now.retractions]
             tokens += req.output_ids[before.outputs :]
+            extras.append(logprob_chunk(req, before) if req.return_logprob else b"")
             after[rid] = now
         live = engine.reqs
         drop = [rid for rid in self.committed if rid not in live or live[rid].is_finished]
@@ -189,6 +228,8 @@ class Journal:
                 "entries": np.asarray(entries, dtype=wire.ARRAY_DTYPE),
                 "token_ids": np.asarray(tokens, dtype=wire.ARRAY_DTYPE),
             }
+            if any(extras):
+                fields["extras"] = extras
         if drop:
             fields["drop"] = drop
         return fields, arrays, {"after": after, "drop": drop}
@@ -272,7 +313,10 @@ def rebuild(engine: EngineBase, reply: dict[str, Any]) -> Adopted:
         adopted.owners[rid] = Owner(meta["client"], meta["fingerprint"], bool(meta["stream"]))
         if journal is not None:
             kv = item["kv_len"] if item["kv"] == "row" else 0
-            journal.committed[rid] = _Committed(len(req.output_ids), kv, req.retraction_count)
+            lp = req.logprob
+            journal.committed[rid] = _Committed(
+                len(req.output_ids), kv, req.retraction_count, len(lp.output_vals), lp.input_done
+            )
         if item["kv"] == "row":
             req.state = ReqState.RETRACTED  # memsvc kept its row: resume there
             req.resume(int(item["row"]))
@@ -301,6 +345,7 @@ def rebuild(engine: EngineBase, reply: dict[str, Any]) -> Adopted:
 
 def _req_of(item: dict[str, Any], meta: dict[str, Any]) -> Req:
     sampling = dict(meta["sampling"])
+    logprob = meta.get("logprob")
     req = Req(
         item["rid"],
         list(meta["prompt"]),
@@ -308,7 +353,12 @@ def _req_of(item: dict[str, Any], meta: dict[str, Any]) -> Req:
         priority=meta["priority"],
         namespace=meta.get("namespace", ""),
         output_ids=list(item["outputs"]),
+        return_logprob=logprob is not None,
+        logprob_start_len=-1 if logprob is None else int(logprob[0]),
+        top_logprobs_num=0 if logprob is None else int(logprob[1]),
     )
+    if logprob is not None:
+        replay_logprobs(req, list(item.get("extras") or []))
     req.retraction_count = int(item["retractions"])
     req.retracted_stain = req.retraction_count > 0
     if req.output_ids:

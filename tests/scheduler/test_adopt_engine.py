@@ -32,6 +32,7 @@ from scheduler_svc.recovery import Recovery
 from scheduler_svc.service import SchedulerService
 from tests.helpers import small_layout
 from tests.scheduler.engine_harness import FakeModel, InProcessMem, expected_output
+from tests.scheduler.test_logprob_engine import LogprobModel, logprob_req
 
 PAGE = 4
 PROMPTS = {f"r{i}": [i + 1] * (5 + 3 * i) for i in range(5)}
@@ -74,9 +75,11 @@ class Node:
         self.with_journal = journal
         self.done: dict[str, Req] = {}
 
-    async def start(self, stall_at: int | None = None, **config) -> Node:
+    async def start(
+        self, stall_at: int | None = None, model: type[FakeModel] | None = None, **config
+    ) -> Node:
         mem = await InProcessMem.connect(self.service)
-        self.model = StallingModel(self.service.pool.table.array, stall_at)
+        self.model = (model or StallingModel)(self.service.pool.table.array, stall_at)
         config = SchedulerConfig(**{"page_size": PAGE, "max_running_requests": 16, **config})
         self.engine = Engine(config, mem, self.model, self._emit, capacity=256)
         if self.with_journal:
@@ -267,6 +270,64 @@ def test_a_refused_commit_turns_the_journal_off_and_serving_goes_on(service, tmp
         assert_exact(node.done)
         assert "record_limit" in node.engine.journal.disabled
         await goodbye(node)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+class StallingLogprobModel(LogprobModel):
+    """The logprob fake of tests.scheduler.test_logprob_engine, stalling as StallingModel."""
+
+    def __init__(self, table, stall_at: int | None = None) -> None:
+        super().__init__(table)
+        self.stall_at = stall_at
+        self.decodes = 0
+
+    async def decode(self, *args, **kwargs):
+        self.decodes += 1
+        if self.decodes == self.stall_at:
+            await asyncio.Event().wait()  # the scheduler dies in here
+        return await super().decode(*args, **kwargs)
+
+
+def logprob_state(req: Req) -> tuple:
+    lp = req.logprob
+    return (lp.input_vals, lp.input_tops, lp.input_done, lp.output_vals, lp.output_tops)
+
+
+@pytest.mark.parametrize("stall_at", [2, 6])
+def test_logprob_requests_are_adopted_with_their_logprobs(service, tmp_path, stall_at) -> None:
+    """Issue 32's part 1 gap: a request that returns logprobs (its prompt's from some
+    start, the top 2 of each token) is adopted like any other, and ends with exactly
+    the logprobs of a run without the death; nothing is prefilled again."""
+
+    def submit(node: Node) -> None:
+        for i, (rid, prompt) in enumerate(PROMPTS.items()):
+            start = [-1, 0, 2, len(prompt) - 1, 1][i]
+            node.engine.submit(logprob_req(rid, prompt, MAX_NEW, start, top=2 * (i % 2)))
+
+    async def scenario() -> None:
+        reference = await Node(service, tmp_path / "ref", journal=False).start(
+            model=StallingLogprobModel
+        )
+        submit(reference)
+        await reference.run()
+        want = {rid: logprob_state(req) for rid, req in reference.done.items()}
+        await goodbye(reference)
+        first = await Node(service, tmp_path / "session").start(
+            stall_at=stall_at, model=StallingLogprobModel
+        )
+        submit(first)
+        await first.die_in_step()
+        second = await Node(service, tmp_path / "session").start(model=StallingLogprobModel)
+        assert second.recovery.stats.adopted_reqs == len(PROMPTS)
+        assert second.recovery.stats.reprefilled_tokens == 0
+        await second.run()
+        assert_exact(second.done)
+        assert second.model.extend_tokens == 0, "the successor re-prefilled"
+        for rid in PROMPTS:
+            assert logprob_state(second.done[rid]) == want[rid], rid
+        await goodbye(second)
         service.pool.check_integrity(idle=True)
 
     asyncio.run(scenario())

@@ -52,7 +52,10 @@ def state(service: MemService) -> tuple:
     """What an op that failed must not have changed."""
     pool = service.pool
     journals = {
-        sid: {rid: (list(r.outputs), r.kv_committed, r.retractions) for rid, r in j.records.items()}
+        sid: {
+            rid: (list(r.outputs), r.kv_committed, r.retractions, list(r.extras))
+            for rid, r in j.records.items()
+        }
         for sid, j in service.journals._by_session.items()
     }
     owners = {rid: s.sid for rid, s in service.sessions._owner_of.items()}
@@ -170,6 +173,10 @@ def test_host_entries_and_unrecorded_rows(service) -> None:
             dict(rids=["a", "a"], entries=entries((2, 0, 0, 0), (2, 0, 0, 0)), token_ids=ids()),
             "bad_request",
         ),
+        (  # an extras chunk per rid, or none
+            dict(rids=["a"], entries=entries((2, 0, 0, 0)), token_ids=ids(), extras=[b"x", b"y"]),
+            "bad_request",
+        ),
     ],
 )
 def test_bad_commits_change_nothing(service, fields, code) -> None:
@@ -180,6 +187,38 @@ def test_bad_commits_change_nothing(service, fields, code) -> None:
     assert not reply["ok"] and reply["message"], reply
     assert reply["code"] == code, reply
     assert state(service) == before
+
+
+def test_extras_are_kept_in_order_and_counted_against_the_bound(service) -> None:
+    """A logprob request's chunks: appended beside its tokens, given back by adopt."""
+    old = hello(service)
+    decoding(old, "a", 6, [11])
+    decoding(old, "b", 5, [21])
+    reply = commit(
+        old,
+        rids=["a", "b"],
+        entries=entries((1, 1, 0, 0), (1, 1, 0, 0)),
+        token_ids=ids(12, 22),
+        extras=[b"a-1", b""],  # b has none this time
+    )
+    assert reply["ok"], reply
+    assert commit(
+        old, rids=["a"], entries=entries((2, 1, 0, 0)), token_ids=ids(13), extras=[b"a-2"]
+    )["ok"]
+    journal = service.journals.get(old.session)
+    assert journal.nbytes == sum(r.nbytes for r in journal.records.values())
+    service.journals.max_bytes = journal.nbytes + 10
+    before = state(service)
+    reply = commit(
+        old, rids=["a"], entries=entries((3, 1, 0, 0)), token_ids=ids(14), extras=[b"z" * 11]
+    )
+    assert reply["code"] == "record_limit" and state(service) == before
+    service.journals.max_bytes = 1 << 20
+    new = hello(service)
+    records = {r["rid"]: r for r in new.ok("adopt", predecessor=old.session)["records"]}
+    assert records["a"]["extras"] == [b"a-1", b"a-2"] and records["b"]["extras"] == []
+    new.ok("goodbye")  # (the last commits vouched for no row: adopt freed both)
+    service.pool.check_integrity(idle=True)
 
 
 def test_commit_bounds(service) -> None:
