@@ -17,6 +17,10 @@ STAT_KEYS = (
     "prefill_tokens",
     "generated_tokens",
     "forward_passes",
+    "prefill_passes",  # batch composition: passes of each kind and the requests they carried
+    "prefill_pass_reqs",
+    "decode_passes",
+    "decode_pass_reqs",
     "retracted_reqs",
     "prefill_s",
     "decode_s",

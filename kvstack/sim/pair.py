@@ -24,6 +24,7 @@ request decodes on to the tokens it would have had without the move.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import replace
@@ -33,7 +34,7 @@ import numpy as np
 
 from kvstack.sim.costmodel import SimClock
 from kvstack.sim.inproc import SimMem, build_service, tiny_layout
-from kvstack.sim.runner import RequestResult, Series, SimResult, _percentile
+from kvstack.sim.runner import RequestResult, Series, SimResult, request_totals
 from kvstack.sim.settings import SimSpec
 from kvstack.sim.timing import clock_engine_costs
 from kvstack.sim.worker import EOS, SimWorker, expected_output, next_token
@@ -289,15 +290,8 @@ class Pair:
     def emit(self, node: Node, req: Req, finished: bool) -> None:
         """A reply from ``node``'s engine, at its time."""
         record = self.records[req.rid]
-        now = node.clock.now
-        if record.first_token_s is None and req.output_ids:
-            record.first_token_s = now
-        if not finished:
+        if not record.note_reply(req, finished, node.clock.now):
             return
-        record.finish_s = now
-        record.status = "aborted" if req.finish_reason.to_json()["type"] == "abort" else "finished"
-        record.output_len = len(req.output_ids)
-        record.retractions = req.retraction_count
         if self.spec.check_tokens and record.status == "finished":
             stop = self.stop_lens.get(req.rid, -1)
             want = expected_output(self.prompts[req.rid], record.max_new_tokens, stop)
@@ -316,29 +310,12 @@ class Pair:
             series.retracts.append((event.time, len(event.retracted)))
 
     def totals(self) -> dict[str, Any]:
-        records = list(self.records.values())
-        finished = [r for r in records if r.status == "finished"]
-        latencies = np.array([r.latency_s for r in finished], dtype=float)
-        ttfts = np.array([r.first_token_s - r.arrival for r in finished], dtype=float)
-        nodes = (self.hot, self.cold)
-        sim_s = max(n.clock.now for n in nodes)
-        output_tokens = sum(r.output_len for r in finished)
         hot, cold = self.hot.engine.stats, self.cold.engine.stats
+        sim_s = max(self.hot.clock.now, self.cold.clock.now)
         return {
-            "requests": len(records),
-            "finished": len(finished),
-            "aborted": sum(r.status == "aborted" for r in records),
-            "rejected": sum(r.status == "rejected" for r in records),
-            "sim_s": round(sim_s, 6),
-            "output_tokens": output_tokens,
-            "throughput_tok_s": round(output_tokens / sim_s, 3) if sim_s else 0.0,
-            "p50_latency_s": _percentile(latencies, 50),
-            "p99_latency_s": _percentile(latencies, 99),
-            "p50_ttft_s": _percentile(ttfts, 50),
-            "p99_ttft_s": _percentile(ttfts, 99),
+            **request_totals(list(self.records.values()), sim_s),
             "retractions": hot.retracted_reqs + cold.retracted_reqs,
             "retract_events": hot.retract_events + cold.retract_events,
-            "max_retractions_per_request": max((r.retractions for r in records), default=0),
             "reprefilled_tokens": hot.reprefilled_tokens + cold.reprefilled_tokens,
             "migrated_reqs": hot.migrated_out_reqs,
             "migrated_tokens": self.hot.mem.moved_tokens,
@@ -355,18 +332,9 @@ class Pair:
         }
 
 
-def run(
-    spec: SimSpec,
-    workload: list[RequestSpec],
-    *,
-    migrate: bool,
-    settings: dict[str, str] | None = None,
-    seed: int = 0,
-) -> SimResult:
-    """One skewed run (blocking): the hot and the cold node, moving with ``migrate``."""
-    import asyncio
-
-    return asyncio.run(run_async(spec, workload, migrate=migrate, settings=settings, seed=seed))
+def run(spec: SimSpec, workload: list[RequestSpec], **kwargs: Any) -> SimResult:
+    """One skewed run (blocking): :func:`run_async`'s."""
+    return asyncio.run(run_async(spec, workload, **kwargs))
 
 
 async def run_async(
@@ -377,6 +345,8 @@ async def run_async(
     settings: dict[str, str] | None = None,
     seed: int = 0,
 ) -> SimResult:
+    """The hot and the cold node serve ``workload``, the hot one moving its retracted
+    requests to the cold one with ``migrate``; both pools end idle and intact."""
     if spec.is_hybrid:
         raise ValueError("--skew: a hybrid pool does not move requests yet")
     longest = max((r.input_len + r.max_new_tokens for r in workload), default=1)

@@ -60,6 +60,40 @@ class RequestResult:
     def latency_s(self) -> float | None:
         return None if self.finish_s is None else self.finish_s - self.arrival
 
+    def note_reply(self, req: Req, finished: bool, now: float) -> bool:
+        """The engine replied for this request at ``now``; returns whether it finished."""
+        if self.first_token_s is None and req.output_ids:
+            self.first_token_s = now
+        if not finished:
+            return False
+        self.finish_s = now
+        self.status = "aborted" if req.finish_reason.to_json()["type"] == "abort" else "finished"
+        self.output_len = len(req.output_ids)
+        self.retractions = req.retraction_count
+        return True
+
+
+def request_totals(records: list[RequestResult], sim_s: float) -> dict[str, Any]:
+    """What became of the requests, in simulated seconds: counts, tokens, latencies."""
+    finished = [r for r in records if r.status == "finished"]
+    latencies = np.array([r.latency_s for r in finished], dtype=float)
+    ttfts = np.array([r.first_token_s - r.arrival for r in finished], dtype=float)
+    output_tokens = sum(r.output_len for r in finished)
+    return {
+        "requests": len(records),
+        "finished": len(finished),
+        "aborted": sum(r.status == "aborted" for r in records),
+        "rejected": sum(r.status == "rejected" for r in records),
+        "sim_s": round(sim_s, 6),
+        "output_tokens": output_tokens,
+        "throughput_tok_s": round(output_tokens / sim_s, 3) if sim_s else 0.0,
+        "p50_latency_s": percentile(latencies, 50),
+        "p99_latency_s": percentile(latencies, 99),
+        "p50_ttft_s": percentile(ttfts, 50),
+        "p99_ttft_s": percentile(ttfts, 99),
+        "max_retractions_per_request": max((r.retractions for r in records), default=0),
+    }
+
 
 @dataclass
 class Series:
@@ -255,14 +289,8 @@ class Simulation:
 
     def _emit(self, req: Req, finished: bool) -> None:
         record = self.records[req.rid]
-        if record.first_token_s is None and req.output_ids:
-            record.first_token_s = self.clock.now
-        if not finished:
+        if not record.note_reply(req, finished, self.clock.now):
             return
-        record.finish_s = self.clock.now
-        record.status = "aborted" if req.finish_reason.to_json()["type"] == "abort" else "finished"
-        record.output_len = len(req.output_ids)
-        record.retractions = req.retraction_count
         if self.spec.keep_outputs:
             self.outputs[req.rid] = list(req.output_ids)
         if self.spec.check_tokens and record.status == "finished":
@@ -305,29 +333,13 @@ class Simulation:
         )
 
     def _totals(self) -> dict[str, Any]:
-        records = list(self.records.values())
-        finished = [r for r in records if r.status == "finished"]
-        latencies = np.array([r.latency_s for r in finished], dtype=float)
-        ttfts = np.array([r.first_token_s - r.arrival for r in finished], dtype=float)
         stats = self.engine.stats
-        sim_s = self.clock.now
-        output_tokens = sum(r.output_len for r in finished)
         series, layout = self.series, self.service.pool.layout
         swa_capacity = layout.swa_capacity_tokens if layout.is_hybrid else None
         return {
-            "requests": len(records),
-            "finished": len(finished),
-            "aborted": sum(r.status == "aborted" for r in records),
-            "rejected": sum(r.status == "rejected" for r in records),
-            "sim_s": round(sim_s, 6),
-            "output_tokens": output_tokens,
-            "throughput_tok_s": round(output_tokens / sim_s, 3) if sim_s else 0.0,
-            "p50_latency_s": _percentile(latencies, 50),
-            "p99_latency_s": _percentile(latencies, 99),
-            "p50_ttft_s": _percentile(ttfts, 50),
+            **request_totals(list(self.records.values()), self.clock.now),
             "retractions": stats.retracted_reqs,
             "retract_events": stats.retract_events,
-            "max_retractions_per_request": max((r.retractions for r in records), default=0),
             "reprefilled_tokens": stats.reprefilled_tokens,
             "prefill_tokens": stats.prefill_tokens,
             "forward_passes": stats.forward_passes,
@@ -345,5 +357,6 @@ class Simulation:
         }
 
 
-def _percentile(values: np.ndarray, q: float) -> float | None:
+def percentile(values: np.ndarray, q: float) -> float | None:
+    """The ``q``-th percentile of ``values``, rounded (None: no values)."""
     return round(float(np.percentile(values, q)), 6) if values.size else None

@@ -39,8 +39,8 @@ PROMPTS = {f"r{i}": [i + 1] * (5 + 3 * i) for i in range(5)}
 MAX_NEW = 12
 
 
-class StallingModel(FakeModel):
-    """The fake model, whose decode forward number ``stall_at`` never returns."""
+class Stalling:
+    """A fake model's mixin: decode forward number ``stall_at`` never returns."""
 
     def __init__(self, table, stall_at: int | None = None) -> None:
         super().__init__(table)
@@ -52,6 +52,10 @@ class StallingModel(FakeModel):
         if self.decodes == self.stall_at:
             await asyncio.Event().wait()  # the scheduler dies in here
         return await super().decode(*args, **kwargs)
+
+
+class StallingModel(Stalling, FakeModel):
+    """The fake model, stalling."""
 
 
 @pytest.fixture
@@ -275,19 +279,8 @@ def test_a_refused_commit_turns_the_journal_off_and_serving_goes_on(service, tmp
     asyncio.run(scenario())
 
 
-class StallingLogprobModel(LogprobModel):
-    """The logprob fake of tests.scheduler.test_logprob_engine, stalling as StallingModel."""
-
-    def __init__(self, table, stall_at: int | None = None) -> None:
-        super().__init__(table)
-        self.stall_at = stall_at
-        self.decodes = 0
-
-    async def decode(self, *args, **kwargs):
-        self.decodes += 1
-        if self.decodes == self.stall_at:
-            await asyncio.Event().wait()  # the scheduler dies in here
-        return await super().decode(*args, **kwargs)
+class StallingLogprobModel(Stalling, LogprobModel):
+    """The logprob fake of tests.scheduler.test_logprob_engine, stalling."""
 
 
 def logprob_state(req: Req) -> tuple:
