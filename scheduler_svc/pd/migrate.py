@@ -23,14 +23,16 @@ head of D1's retracted queue with its host copy, as if nothing happened
 (D2's side of the room fails and frees its pages). After it, D1 drops the host
 copy and keeps only the relay: the client's stream stays where it is.
 
-The policy is the simplest that never loses: move the head of the retracted
-queue (the request waiting longest) when it cannot resume here this step and
+The policy: move the head of the retracted queue (the request waiting
+longest) when it cannot resume here this step, moving it beats waiting here
+(the retract cost model, ``--migrate-policy cost``; ``always`` skips that) and
 the peer's budget takes it (what D2 would admit into preallocation now, with
 nothing retracted or queued there). Moves in flight are bounded by
-:data:`MAX_IN_FLIGHT`; the peer's figures are asked at most every
-:data:`INFO_EVERY_S` while something waits, and each move spends from them; a
-peer that does not answer within :data:`INFO_TIMEOUT_S` is left alone for
-:data:`PEER_DOWN_WAIT_S`.
+:data:`MAX_IN_FLIGHT`. The peer's figures are asked in the background, never
+on the decode step: at most every :data:`INFO_EVERY_S` while something waits,
+each move spending from them, and not used once older than
+:data:`INFO_STALE_S`; a peer that does not answer within :data:`INFO_TIMEOUT_S`
+is left alone for :data:`PEER_DOWN_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ log = logging.getLogger("scheduler_svc")
 MAX_IN_FLIGHT = 8
 INFO_EVERY_S = 0.2
 INFO_TIMEOUT_S = 2.0
+INFO_STALE_S = INFO_TIMEOUT_S + INFO_EVERY_S  # older figures are not acted on
 # A peer that did not answer its info within INFO_TIMEOUT_S is not asked again for this
 # long: the step that asked waited for it, and the next ones must not.
 PEER_DOWN_WAIT_S = 10.0
@@ -103,26 +106,40 @@ class MigrationPeer:
         self.client = AsyncGenerateClient(address, timeout_s=timeout_s, curve=curve)
         self.relays: dict[str, Relay] = {}
         self._info: dict[str, Any] | None = None
-        self._info_at = 0.0
+        self._info_at = 0.0  # when the figures in hand arrived
+        self._next_ask = 0.0  # no ask before then
+        self._asking: asyncio.Task[None] | None = None
         self._budget = 0
 
-    async def room_for(self, tokens: int) -> str | None:
-        """The peer memsvc's transfer socket if the peer can take a request holding
-        ``tokens`` KV slots (its reserve included) now; None otherwise."""
+    def refresh(self) -> asyncio.Task[None] | None:
+        """Ask the peer's figures in the background unless an ask is under way or it is
+        too soon (INFO_EVERY_S since the last one; PEER_DOWN_WAIT_S after a silence);
+        returns the ask under way, if any."""
         now = time.monotonic()
-        if now < self._info_at:
-            return None  # the peer did not answer lately: not asked again before then
-        if self._info is None or now - self._info_at >= INFO_EVERY_S:
-            self._info_at = now
-            try:
-                info = await asyncio.wait_for(self.client.info(), INFO_TIMEOUT_S)
-            except Exception as exc:  # a peer down or slow: nothing moves for a while
-                log.warning("migration peer %s does not answer (%s)", self.address, exc)
-                self._info, self._info_at = None, time.monotonic() + PEER_DOWN_WAIT_S
-                return None
-            self._info = info
-            self._budget = int(info.get("prealloc_budget", 0))
+        if (self._asking is None or self._asking.done()) and now >= self._next_ask:
+            self._next_ask = now + INFO_EVERY_S
+            self._asking = asyncio.ensure_future(self._ask())
+        return None if self._asking is None or self._asking.done() else self._asking
+
+    async def _ask(self) -> None:
+        try:
+            info = await asyncio.wait_for(self.client.info(), INFO_TIMEOUT_S)
+        except Exception as exc:  # a peer down or slow: nothing moves for a while
+            log.warning("migration peer %s does not answer (%s)", self.address, exc)
+            self._info, self._next_ask = None, time.monotonic() + PEER_DOWN_WAIT_S
+            return
+        self._info, self._info_at = info, time.monotonic()
+        self._budget = int(info.get("prealloc_budget", 0))
+
+    async def room_for(self, tokens: int) -> str | None:
+        """The peer memsvc's transfer socket if the peer, by its latest figures, can take a
+        request holding ``tokens`` KV slots (its reserve included) now; None otherwise.
+        Never waits on the peer (:meth:`refresh`): until its first figures arrive, and
+        once they are older than INFO_STALE_S, nothing moves."""
+        self.refresh()
         info = self._info
+        if info is None or time.monotonic() - self._info_at > INFO_STALE_S:
+            return None
         queues = info.get("queues") or {}
         if info.get("mode") != "decode" or not info.get("transfer_listen") or info.get("draining"):
             return None
@@ -193,6 +210,8 @@ class MigrationPeer:
             self.client.close_call(relay.op_id)
 
     async def close(self) -> None:
+        if self._asking is not None:
+            self._asking.cancel()
         for rid in list(self.relays):
             self.finished(rid)
         await self.client.close()
