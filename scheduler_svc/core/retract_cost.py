@@ -22,6 +22,7 @@ the running requests' ends free room for it (``migrate_beats_waiting``)::
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -83,10 +84,13 @@ class RetractCostModel:
         their ends never free enough."""
         if allocatable >= need:
             return 0.0
-        for steps in sorted({left for left, _ in running}):
-            freed = sum(slots for left, slots in running if left <= steps)
-            grown = steps * sum(1 for left, _ in running if left > steps)
-            if allocatable + freed - grown >= need:
+        still = len(running)  # running after ``steps``: each grew by one slot a step
+        freed = 0
+        for steps, ending in itertools.groupby(sorted(running), key=lambda item: item[0]):
+            for _, slots in ending:
+                freed += slots
+                still -= 1
+            if allocatable + freed - steps * still >= need:
                 return steps * self.decode_step_s
         return math.inf
 

@@ -128,10 +128,13 @@ class DecodeEngine(Engine):
         """Slots to reserve for ``req``: what it holds now plus the per-request reserve."""
         return self._held(req) + self.config.num_reserved_decode_tokens
 
+    def _max_new(self, req: Req) -> int:
+        """The new tokens ``req`` may still make room for: min(max_new, clip)."""
+        return min(req.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
+
     def _final_len(self, req: Req) -> int:
         """The KV ``req`` may grow to, in whole pages: prompt + min(max_new, clip)."""
-        new = min(req.sampling_params.max_new_tokens, self.config.clip_max_new_tokens)
-        return ceil_page(len(req.origin_input_ids) + new, self.config.page_size)
+        return ceil_page(len(req.origin_input_ids) + self._max_new(req), self.config.page_size)
 
     def _held(self, req: Req) -> int:
         """Slots ``req``'s KV takes here: whole pages for its prompt and all but its last token."""
@@ -263,12 +266,8 @@ class DecodeEngine(Engine):
         """The retract cost model's choice for ``req``, retracted to the host store: moving
         it beats waiting here for its slots (scheduler_svc.core.retract_cost)."""
         reserve = self.config.num_reserved_decode_tokens
-        clip = self.config.clip_max_new_tokens
         running = [
-            (
-                max(min(r.sampling_params.max_new_tokens, clip) - len(r.output_ids), 1),
-                self._held(r) + reserve,
-            )
+            (max(self._max_new(r) - len(r.output_ids), 1), self._held(r) + reserve)
             for r in self.running
         ]
         allocatable = self._allocatable(count_retracted=False)
