@@ -50,7 +50,7 @@ from scheduler_svc import protocol as p
 from scheduler_svc.adopt import ADOPT_EXPIRED_STATUS, Adopted, Owner, Reattach
 from scheduler_svc.core import Req, RequestTooLargeError
 from scheduler_svc.engine import Engine
-from scheduler_svc.intake import DRAINING, fingerprint, new_req, refusal
+from scheduler_svc.intake import DRAINING, fingerprint, new_req, out_of_vocabulary, refusal
 from scheduler_svc.pd.moved import MovedRequests
 from scheduler_svc.protocol import RESULT_CACHE_BYTES, RESULT_CACHE_SIZE
 from scheduler_svc.recovery import Recovery, RecoveryFailedError
@@ -309,15 +309,9 @@ class SchedulerService(MovedRequests):
         cached = self._finished.get(msg.rid)
         if cached is not None and cached[:2] == (msg.client, digest):
             return wire.pack({**wire.unpack([cached[2]]), "op_id": msg.op_id})
-        refused = refusal(
-            input_ids,
-            msg,
-            vocab_size=self.vocab_size,
-            max_context_len=self.max_context_len,
-            mode=self.mode,
-        )
+        refused = self._refusal(input_ids, msg)
         if refused is not None:
-            return error_reply(msg.op_id, *refused)
+            return refused
         req, scoring = new_req(
             msg,
             input_ids,
@@ -356,6 +350,24 @@ class SchedulerService(MovedRequests):
         log.warning("draining: every running and retracted request moves to the peer")
         self.engine.draining = True
         self._wake.set()
+
+    def _refusal(
+        self, input_ids: list[int], msg: Any, output_ids: list[int] | None = None
+    ) -> list[bytes] | None:
+        """The error reply intake's checks give ``msg`` on this node (SGLang's codes and
+        messages; ``output_ids``, a moved request's, must be in the vocabulary too), or
+        None when it may be served."""
+        refused = refusal(
+            input_ids,
+            msg,
+            vocab_size=self.vocab_size,
+            max_context_len=self.max_context_len,
+            mode=self.mode,
+        )
+        bad_output = out_of_vocabulary(output_ids or [], self.vocab_size)
+        if refused is None and bad_output is not None:
+            refused = ("bad_request", bad_output, 400)
+        return None if refused is None else error_reply(msg.op_id, *refused)
 
     def _stop_decoder(self, token_ids: list[int]) -> str:
         """How the stop-string check decodes (SGLang's tail: special tokens kept)."""

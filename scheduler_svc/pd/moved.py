@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from memsvc import protocol as wire
 from memsvc.reply_cache import ReplyCache
 from scheduler_svc.core import Req, SamplingParams, check_fits
-from scheduler_svc.intake import DRAINING, out_of_vocabulary, refusal
+from scheduler_svc.intake import DRAINING
 from scheduler_svc.pd.migrate import LOST_MESSAGE, Relay
 from scheduler_svc.replies import Waiter, error_reply
 
@@ -48,6 +48,10 @@ class MovedRequests:
 
         def _stop_decoder(self, token_ids: list[int]) -> str: ...
 
+        def _refusal(
+            self, input_ids: list[int], msg: Any, output_ids: list[int] | None = None
+        ) -> list[bytes] | None: ...
+
     def _migrate_in(self, identity: bytes, msg: Any) -> list[bytes] | None:
         """Another decode node moves a retracted request here (scheduler_svc.pd.migrate):
         it waits for its KV as a retracted request does; its replies go to that node."""
@@ -60,18 +64,9 @@ class MovedRequests:
             message = f"request {msg.rid!r} is already here"
             return error_reply(msg.op_id, "duplicate_rid", message, 400)
         input_ids, output_ids = msg.input_ids.tolist(), msg.output_ids.tolist()
-        refused = refusal(
-            input_ids,
-            msg,
-            vocab_size=self.vocab_size,
-            max_context_len=self.max_context_len,
-            mode=self.mode,
-        )
-        bad_output = out_of_vocabulary(output_ids, self.vocab_size)
-        if refused is None and bad_output is not None:
-            refused = ("bad_request", bad_output, 400)
+        refused = self._refusal(input_ids, msg, output_ids)
         if refused is not None:
-            return error_reply(msg.op_id, *refused)
+            return refused
         check_fits(len(input_ids) + msg.sampling.max_new_tokens, self.capacity, self.page_size)
         req = Req(
             msg.rid,
