@@ -399,9 +399,7 @@ class Supervisor:
         ]
         for managed in draining:
             log.info("draining %s (SIGTERM; the stack serves until it exits)", managed.spec.name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(managed.proc.pid, signal.SIGCONT)
-            managed.proc.terminate()
+            _terminate(managed.proc)
         deadline = time.monotonic() + self.drain_timeout_s
         for managed in draining:
             try:
@@ -414,9 +412,7 @@ class Supervisor:
         proc = managed.proc
         if proc is not None:
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)  # a stopped process cannot exit
-                proc.terminate()
+                _terminate(proc)
                 try:
                     proc.wait(self.stop_timeout_s)
                 except subprocess.TimeoutExpired:
@@ -439,3 +435,10 @@ class Supervisor:
     def write_state(self) -> None:
         with contextlib.suppress(OSError):
             write_private_file(self.run_dir / STATE_FILE, json.dumps(self.state(), indent=1))
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc``, after a SIGCONT: a stopped process cannot exit."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGCONT)
+    proc.terminate()
