@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -49,12 +49,22 @@ from scheduler_svc.pd.migrate import sampling_record
 COLD_TRANSFER = "sim://cold/transfer"
 
 
+@dataclass(slots=True)
+class Move:
+    """A request this node moves from its host store: sent from ``started``, its KV
+    there at ``done`` (None until the peer has preallocated for it)."""
+
+    rid: str
+    started: float
+    done: float | None = None
+    counted: bool = False  # its tokens are in ``moved_tokens``
+
+
 class PairMem(SimMem):
     """A decode node's memsvc: SimMem plus the PD transfer ops, their KV timed by the sim.
 
     ``ready[room]``: when the room's KV is here (sent by the prefill node or the
-    peer); ``sends[room]``: when this node's move of a request from its host
-    store completes, once the peer has preallocated for it.
+    peer); ``moves[room]``: this node's moves of requests from its host store.
     """
 
     def __init__(self, service: MemService, name: str = "scheduler", **kwargs: Any) -> None:
@@ -62,9 +72,7 @@ class PairMem(SimMem):
         self.expected: dict[int, str] = {}
         self.ready: dict[int, float] = {}
         self.first_tokens: dict[str, int] = {}
-        self.sends: dict[int, float | None] = {}
-        self.send_started: dict[int, float] = {}
-        self.expected_send: dict[int, str] = {}  # room -> the rid this node sends
+        self.moves: dict[int, Move] = {}
         self.peer: PairMem | None = None
         self.moved_tokens = 0
 
@@ -72,36 +80,32 @@ class PairMem(SimMem):
         self.expected[room] = rid
         if room in self.ready:  # the prefill node's KV: it comes once preallocated
             self.ready[room] = max(self.ready[room], self.clock.now)
-        sender = self.peer
-        if sender is not None and room in sender.sends:  # a move: it starts now
-            start = max(self.clock.now, sender.send_started[room])
-            tokens = sender.service.pool.host_store.num_tokens(sender.expected_send[room])
-            done = start + self.cost.copy_seconds(tokens)
-            sender.sends[room], self.ready[room] = done, done
+        move = self.peer.moves.get(room) if self.peer is not None else None
+        if move is not None:  # a move: it starts now
+            tokens = self.peer.service.pool.host_store.num_tokens(move.rid)
+            move.done = max(self.clock.now, move.started) + self.cost.copy_seconds(tokens)
+            self.ready[room] = move.done
 
     async def pd_send(self, rid: str, room: int, *args: Any, **kwargs: Any) -> None:
         assert kwargs.get("from_host"), "the simulated hot node sends only moves"
-        self.sends[room] = None  # until the peer preallocates
-        self.send_started[room] = self.clock.now
-        self.expected_send[room] = rid
+        self.moves[room] = Move(rid, self.clock.now)
 
     async def pd_status(self, rooms: list[int]) -> list[dict[str, Any]]:
         return [self._report(room) for room in rooms]
 
     async def pd_forget(self, rooms: list[int]) -> None:
         for room in rooms:
-            books = (self.expected, self.ready, self.sends, self.send_started, self.expected_send)
-            for book in books:
+            for book in (self.expected, self.ready, self.moves):
                 book.pop(room, None)
 
     def _report(self, room: int) -> dict[str, Any]:
-        if room in self.sends:  # this node's move
-            done = self.sends[room]
-            arrived = done is not None and done <= self.clock.now
-            if arrived:
-                rid = self.expected_send[room]
-                self.moved_tokens += self.service.pool.host_store.num_tokens(rid)
-                self.clock.last_s["move"] = done - self.send_started[room]
+        move = self.moves.get(room)
+        if move is not None:  # this node's move
+            arrived = move.done is not None and move.done <= self.clock.now
+            if arrived and not move.counted:
+                move.counted = True
+                self.moved_tokens += self.service.pool.host_store.num_tokens(move.rid)
+                self.clock.last_s["move"] = move.done - move.started
         else:
             at = self.ready.get(room)
             arrived = room in self.expected and at is not None and at <= self.clock.now
@@ -117,7 +121,7 @@ class PairMem(SimMem):
     def next_event(self) -> float | None:
         """The earliest time a transfer this node waits on completes, if one is timed."""
         times = [t for room, t in self.ready.items() if room in self.expected]
-        times += [t for t in self.sends.values() if t is not None]
+        times += [m.done for m in self.moves.values() if m.done is not None]
         return min(times, default=None)
 
 
