@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache import PAGE_SIZE, cell_pool, pool_args  # bench/, the script's folder
-from hicache import serve_round as bench_serve_round
+from hicache_serve import serve_round as bench_serve_round
 from hicache_workload import KINDS, Encoder, Workload, sized
 
 from kvstack.model.paths import resolve_model_path

@@ -49,10 +49,10 @@ STACK_KEYS = (
 )
 
 
-def load_bench() -> ModuleType:
+def load_bench(name: str = "hicache") -> ModuleType:
     sys.path.insert(0, str(BENCH))  # its sibling modules, as when run as a script
     try:
-        spec = importlib.util.spec_from_file_location("bench_hicache", BENCH / "hicache.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -208,13 +208,13 @@ class FakeClient:
 def serve_one_round(system_len: int) -> list[tuple[str, str]]:
     from types import SimpleNamespace
 
-    bench = load_bench()
     workload = SimpleNamespace(
         spec=SimpleNamespace(in_flight=3, system_len=system_len, output_len=1), end_of_turn=[2]
     )
-    chats = [bench.Chat(f"c{i}", [[10 + i], [20 + i]], [1, 1, 1]) for i in range(4)]
+    serving = load_bench("hicache_serve")
+    chats = [serving.Chat(f"c{i}", [[10 + i], [20 + i]], [1, 1, 1]) for i in range(4)]
     client = FakeClient()
-    asyncio.run(bench.serve_round(client, chats, workload))
+    asyncio.run(serving.serve_round(client, chats, workload))
     assert all(len(c.turns) == 2 for c in chats)
     return client.log
 
