@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 from control_plane_mem import Pool  # bench/, on the path as the script's folder
 
-from kvstack.stack.launch import Launcher, model_ready_timeout
+from kvstack.stack.launch import Launcher
 from kvstack.stack.model_pool import pool_layout_args, worker_threads
+from kvstack.stack.process import model_ready_timeout
 from memsvc.client import AsyncMemClient
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from kvstack.stack.launch import REPO, Service
+from kvstack.stack.process import REPO, Service
 
 STOP_TIMEOUT_S = 60.0  # after SIGTERM, before SIGKILL
 

@@ -15,7 +15,8 @@ from typing import TypeVar
 
 import pytest
 
-from kvstack.stack.launch import REPO, Launcher, Service, remove_segments, start_service
+from kvstack.stack.launch import Launcher
+from kvstack.stack.process import REPO, Service, remove_segments, start_service
 from memsvc.core.backends.shm import list_segments, segment_owner_pid
 
 __all__ = [

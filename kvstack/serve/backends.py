@@ -18,7 +18,6 @@ from typing import Any
 from kvstack.model.paths import TINY, say_on_stderr
 from kvstack.serve.app import Backend
 from kvstack.stack.forward import MEMSVC, ROUTER, SCHEDULER, service_argv, transfer_options
-from kvstack.stack.launch import ready_timeout
 from kvstack.stack.model_args import (
     ModelArgsError,
     StackModel,
@@ -26,6 +25,7 @@ from kvstack.stack.model_args import (
     served_model_name,
     stack_model,
 )
+from kvstack.stack.process import ready_timeout
 from memsvc.curve import CurveClientKeys
 
 ASK_TIMEOUT_S = 2.0  # one try at asking a fronted scheduler what it serves

@@ -55,8 +55,8 @@ from kvstack.serve.backends import (
 from kvstack.serve.limits import FrontLimits, add_limit_arguments, limits_from_args
 from kvstack.serve.server import DeferredSignals, serve
 from kvstack.stack.forward import add_service_flags
-from kvstack.stack.launch import add_ready_timeout
 from kvstack.stack.model_args import add_model_arguments, add_model_flags, served_model_name
+from kvstack.stack.process import add_ready_timeout
 from memsvc.cli import LOG_FORMAT
 from memsvc.core.errors import InvalidArgumentError
 from memsvc.curve import KeyFolder
@@ -170,8 +170,9 @@ def run(args: argparse.Namespace) -> int:
             if args.scheduler:
                 backend = fronted_backend(args, curve.client_keys() if curve else None)
             else:
-                from kvstack.stack.launch import Launcher, LaunchError
+                from kvstack.stack.launch import Launcher
                 from kvstack.stack.model_pool import PoolMismatchError
+                from kvstack.stack.process import LaunchError
                 from model_svc.errors import CheckpointError
 
                 workdir = exits.enter_context(tempfile.TemporaryDirectory(prefix="kvstack-serve-"))

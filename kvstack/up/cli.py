@@ -28,7 +28,6 @@ from kvstack.stack.forward import (
     service_argv,
     transfer_options,
 )
-from kvstack.stack.launch import add_ready_timeout, ready_timeout
 from kvstack.stack.model_args import (
     ModelArgsError,
     add_model_arguments,
@@ -36,6 +35,7 @@ from kvstack.stack.model_args import (
     served_model_name,
     stack_model,
 )
+from kvstack.stack.process import add_ready_timeout, ready_timeout
 from kvstack.stack.spec import (
     ProcessSpec,
     StackOptions,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstack.stack.launch import REPO, exit_status, log_tail, remove_segments, service_env
+from kvstack.stack.process import REPO, exit_status, log_tail, remove_segments, service_env
 from kvstack.stack.spec import ProcessSpec
 from kvstack.up.health import check
 from memsvc.cli import make_private_dirs, open_private_log, write_private_file

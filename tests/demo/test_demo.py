@@ -20,7 +20,7 @@ from kvstack.demo import plots as demo_plots
 from kvstack.demo.report import check_identical, render_answers, summarize
 from kvstack.demo.runs import RunResult, Sample
 from kvstack.demo.workload import Workload, chat_workload, random_workload
-from kvstack.stack.launch import REPO
+from kvstack.stack.process import REPO
 from memsvc.lifeline import child_env
 from tests.procs import kill_parent_of_stack, kill_processes, processes_with, wait_for
 

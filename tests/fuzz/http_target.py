@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstack.stack.launch import REPO, Launcher
+from kvstack.stack.launch import Launcher
+from kvstack.stack.process import REPO
 from memsvc.lifeline import child_env
 from tests.fuzz.http_gen import HttpMessages, HttpRequest
 from tests.fuzz.scheduler_gen import LEGIT_PROMPT

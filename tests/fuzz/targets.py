@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstack.stack.launch import Launcher, Service
+from kvstack.stack.launch import Launcher
+from kvstack.stack.process import Service
 from memsvc import protocol as wire
 from memsvc.client import MemClient
 from memsvc.core.errors import MemsvcError

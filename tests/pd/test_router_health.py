@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvstack.stack.launch import Service
+from kvstack.stack.process import Service
 from kvstack.up.health import check
 from memsvc import protocol as wire
 from scheduler_svc.client import GenerateClient, GenerateError, SchedulerLostError

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvstack.stack.launch import Service
+from kvstack.stack.process import Service
 from memsvc import protocol as wire
 from scheduler_svc.client import GenerateClient, GenerateError, SchedulerLostError
 from tests.bounds import assert_messages_bounded

@@ -11,13 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.stack.launch import (
-    READY_TIMEOUT_S,
-    Launcher,
-    LaunchError,
-    model_ready_timeout,
-    start_service,
-)
+from kvstack.stack.launch import Launcher
+from kvstack.stack.process import READY_TIMEOUT_S, LaunchError, model_ready_timeout, start_service
 from memsvc.client import MemClient
 from memsvc.core.backends.shm import list_segments
 from tests.procs import REPO, kill_processes, processes_with, wait_for
