@@ -17,12 +17,20 @@ import numpy as np
 import pytest
 
 from memsvc.core import KVPool
-from memsvc.core.errors import InvalidArgumentError
+from memsvc.core.errors import InvalidArgumentError, MemsvcError
 from memsvc.core.hicache import HiCacheConfig, page_hash_chain
 from memsvc.core.identity import KVIdentity, layout_string
 from memsvc.core.layout import PoolLayout
 from memsvc.core.storage.file import SUFFIX
-from tests.core.test_hicache import PAGE, finish, kv_of, kv_shape, run_request, seq
+from tests.core.test_hicache import (
+    PAGE,
+    SlowCopies,
+    finish,
+    kv_of,
+    kv_shape,
+    run_request,
+    seq,
+)
 
 DIGEST_A = "a" * 64
 DIGEST_B = "b" * 64
@@ -203,11 +211,11 @@ def test_a_kept_page_that_lies_is_never_served(tmp_path):
     to_storage(pool, tokens[: PAGE + 1])
     finish(pool)
     pool = keep_pool(tmp_path)
+    slow = SlowCopies(pool)  # the load is still in flight when the match returns
     pool.open_request("r")
     match = pool.match_prefix_tiers("r", tokens[:-1])
     assert match.storage_tokens == 12  # matched: the load verifies each page
-    from memsvc.core.errors import MemsvcError
-
+    slow.gate.set()
     with pytest.raises(MemsvcError) as err:
         pool.alloc_extend([("r", 1)])
     assert err.value.code == "prefix_cut" and err.value.cut == {"r": PAGE}
