@@ -382,6 +382,8 @@ def _free(service: MemService, rid: str) -> int:
     own: a locked tree prefix stays in the tree)."""
     pool = service.pool
     tokens = 0
+    if service.transfer is not None:  # a PD decode node's room awaiting its KV: closed
+        service.transfer.forget_rid(rid)
     if pool.is_open(rid):
         kv = pool.request(rid)
         tokens += kv.kv_len - kv.protected_len

@@ -95,7 +95,7 @@ async def serve(
             eos_token_ids=model_config.eos_token_ids,
             capacity=mem.hello_info["capacity"],
         )
-        if config.mode == "normal":  # records a successor adopts (scheduler_svc.adopt)
+        if config.mode != "prefill":  # records a successor adopts (scheduler_svc.adopt)
             engine.journal = Journal(owner_of=lambda rid: None)
         if config.migrate_to:  # decode: retracted requests may move there
             engine.migration = MigrationPeer(config.migrate_to, curve=curve.client)

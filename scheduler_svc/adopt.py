@@ -78,11 +78,6 @@ class Owner(NamedTuple):
 # -- records ---------------------------------------------------------------------
 
 
-def adoptable(req: Req) -> bool:
-    """Whether a successor can continue ``req`` exactly: not a PD hand-off."""
-    return req.bootstrap_room is None
-
-
 def pack_meta(req: Req, owner: Owner) -> bytes:
     """The scheduler's record of ``req`` (opaque to memsvc): what a successor needs."""
     sp = req.sampling_params
@@ -95,6 +90,7 @@ def pack_meta(req: Req, owner: Owner) -> bytes:
             "prompt": req.origin_input_ids,
             "priority": req.priority,
             "namespace": req.namespace,
+            "room": req.bootstrap_room,  # a PD decode node's: the router's name for it
             "logprob": (
                 [req.logprob_start_len, req.top_logprobs_num] if req.return_logprob else None
             ),
@@ -191,6 +187,7 @@ class Journal:
         new_rids, new_meta, prompt_lens = [], [], []
         rids, entries, tokens, extras = [], [], [], []
         after: dict[str, _Committed] = {}
+        adoptable = engine.adoptable()
         for rid, req in engine.reqs.items():
             if req.is_finished or not adoptable(req):
                 continue
@@ -217,7 +214,13 @@ class Journal:
             extras.append(logprob_chunk(req, before) if req.return_logprob else b"")
             after[rid] = now
         live = engine.reqs
-        drop = [rid for rid in self.committed if rid not in live or live[rid].is_finished]
+        # Ended, or no longer one a successor could continue (a PD request moving to
+        # another node, or sent back to the prefill node): its record goes.
+        drop = [
+            rid
+            for rid in self.committed
+            if rid not in live or live[rid].is_finished or not adoptable(live[rid])
+        ]
         fields: dict[str, Any] = {"ratio": engine.ratio.current}
         arrays: dict[str, np.ndarray] = {}
         if new_rids:
@@ -241,6 +244,17 @@ class Journal:
         fields, arrays, applied = self._changes(engine)
         if len(fields) == 1:  # the ratio alone: it goes with the next real change
             return
+        await self._send(engine, fields, arrays, applied)
+
+    async def close(self, engine: EngineBase, rids: list[str]) -> None:
+        """Close the records of ``rids`` (adopted records this engine does not take)."""
+        if rids and self.disabled is None:
+            fields = {"ratio": engine.ratio.current, "drop": rids}
+            await self._send(engine, fields, {}, {"after": {}, "drop": rids})
+
+    async def _send(
+        self, engine: EngineBase, fields: dict[str, Any], arrays: dict, applied: dict
+    ) -> None:
         started = time.perf_counter()
         call = Call("commit", fields, arrays or None, lambda header, arrays: header)
         try:
@@ -280,6 +294,7 @@ class Adopted:
 
     owners: dict[str, Owner] = field(default_factory=dict)
     parked: dict[str, Req] = field(default_factory=dict)  # no KV: they wait for their client
+    dropped: list[str] = field(default_factory=list)  # no KV, and not computed here (PD)
     running: int = 0
     from_host: int = 0
     kv_tokens: int = 0  # KV positions adopted (rows and host entries)
@@ -310,6 +325,9 @@ def rebuild(engine: EngineBase, reply: dict[str, Any]) -> Adopted:
             log.warning("adopt: record %s unreadable (%s): left to its client", item["rid"], exc)
             continue
         rid = req.rid
+        if item["kv"] not in ("row", "host") and not engine.recomputes_adopted:
+            adopted.dropped.append(rid)  # a PD decode node: the router starts it over
+            continue
         adopted.owners[rid] = Owner(meta["client"], meta["fingerprint"], bool(meta["stream"]))
         if journal is not None:
             kv = item["kv_len"] if item["kv"] == "row" else 0
@@ -337,7 +355,7 @@ def rebuild(engine: EngineBase, reply: dict[str, Any]) -> Adopted:
             if req.output_ids:
                 req.state = ReqState.RETRACTED  # re-prefilled from origin + output
             adopted.parked[rid] = req
-    engine.waiting.extendleft(reversed(to_host))
+    engine.adopt_from_host(to_host)
     if reply.get("ratio") is not None:
         engine.ratio.current = float(reply["ratio"])
     return adopted
@@ -357,6 +375,7 @@ def _req_of(item: dict[str, Any], meta: dict[str, Any]) -> Req:
         logprob_start_len=-1 if logprob is None else int(logprob[0]),
         top_logprobs_num=0 if logprob is None else int(logprob[1]),
     )
+    req.bootstrap_room = meta.get("room")
     if logprob is not None:
         replay_logprobs(req, list(item.get("extras") or []))
     req.retraction_count = int(item["retractions"])

@@ -27,6 +27,11 @@ no logprob (None), as in SGLang. Output logprobs are those of the
 distribution sampled from (raw logits for greedy, temperature-scaled for
 sampling); input logprobs are of the raw logits.
 
+``adopted`` asks a restarted scheduler which of the given rids it adopted from
+its dead predecessor with their KV and still holds for the client named beside
+each (the PD router asks a restarted decode node, to prefill only the others
+again; :mod:`scheduler_svc.adopt`).
+
 A rid belongs to the ``client`` that submitted it: a random id the client
 makes once (:class:`scheduler_svc.client.GenerateClient` does) and sends with
 every ``generate`` and ``abort``, also after it reconnects. Only that client
@@ -97,11 +102,12 @@ class GenSampling(Sampling):
 
 
 ClientId = Annotated[str, Field(min_length=1, max_length=64)]
+Rid = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class Generate(Message):
     op: Literal["generate"]
-    rid: str = Field(min_length=1, max_length=256)
+    rid: Rid
     client: ClientId
     input_ids: IntArray | None = None
     text: str | None = Field(default=None, max_length=MAX_PROMPT_TOKENS)
@@ -150,7 +156,7 @@ class MigrateIn(Message):
     which relays them to the request's client."""
 
     op: Literal["migrate_in"]
-    rid: str = Field(min_length=1, max_length=256)
+    rid: Rid
     client: ClientId
     input_ids: IntArray
     output_ids: IntArray
@@ -175,12 +181,32 @@ class MigrateIn(Message):
 
 class Abort(Message):
     op: Literal["abort"]
-    rid: str = Field(min_length=1, max_length=256)
+    rid: Rid
     client: ClientId
 
 
 class Info(Message):
     op: Literal["info"]
+
+
+MAX_ADOPTED_QUERY = 16384  # rids one ``adopted`` may ask about
+
+
+class Adopted(Message):
+    """Which of ``rids`` (each with the ``clients`` id that submitted it) this scheduler
+    adopted from its dead predecessor with their KV, still waiting for that client to
+    re-submit them (:mod:`scheduler_svc.adopt`). The PD router asks a restarted decode
+    node, so as not to prefill those again. A rid another client owns is not named."""
+
+    op: Literal["adopted"]
+    rids: list[Rid] = Field(max_length=MAX_ADOPTED_QUERY)
+    clients: list[ClientId] = Field(max_length=MAX_ADOPTED_QUERY)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> Adopted:
+        if len(self.rids) != len(self.clients):
+            raise ValueError("rids and clients must be of the same length")
+        return self
 
 
 class FlushCache(Message):
@@ -199,7 +225,9 @@ class FlushCache(Message):
         return namespace_of(self.cache_salt, self.extra_key)
 
 
-Request = Annotated[Generate | MigrateIn | Abort | Info | FlushCache, Field(discriminator="op")]
+Request = Annotated[
+    Generate | MigrateIn | Abort | Info | Adopted | FlushCache, Field(discriminator="op")
+]
 REQUEST_ADAPTER: TypeAdapter[Any] = TypeAdapter(Request)
 
 

@@ -188,20 +188,23 @@ class Recovery:
             return False
         adopted = adopt.rebuild(self.engine, reply)
         self.adopted = adopted
+        await self.engine.journal.close(self.engine, adopted.dropped)
         stats = self.stats
-        stats.adopted_reqs += len(reply["records"])
+        stats.adopted_reqs += len(reply["records"]) - len(adopted.dropped)
         stats.adopted_kv_tokens += adopted.kv_tokens
         stats.discarded_step_tokens += adopted.trimmed_tokens
         stats.reprefilled_tokens += adopted.freed_tokens
         log.warning(
             "adopted the previous scheduler's session: %d requests (%d decoding on, %d in the "
-            "host store, %d waiting for their client), %d KV tokens kept, %d freed",
-            len(reply["records"]),
+            "host store, %d waiting for their client), %d KV tokens kept, %d freed; %d left "
+            "to the router",
+            len(reply["records"]) - len(adopted.dropped),
             adopted.running,
             adopted.from_host,
             len(adopted.parked),
             adopted.kv_tokens,
             adopted.freed_tokens,
+            len(adopted.dropped),
         )
         return True
 

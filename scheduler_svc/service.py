@@ -285,6 +285,8 @@ class SchedulerService(MovedRequests):
             return wire.pack({"ok": True, "op_id": msg.op_id, "found": found})
         if msg.op == "migrate_in":
             return self._migrate_in(identity, msg)
+        if msg.op == "adopted":
+            return wire.pack({"ok": True, "op_id": msg.op_id, "rids": self._adopted(msg)})
         return self._generate(identity, msg)
 
     def _generate(self, identity: bytes, msg: Any) -> list[bytes] | None:
@@ -411,6 +413,19 @@ class SchedulerService(MovedRequests):
         if waiter is None or waiter.scoring:
             return None
         return Owner(waiter.client, waiter.fingerprint, waiter.stream)
+
+    def _adopted(self, msg: Any) -> list[str]:
+        """Those of ``msg.rids`` adopted with their KV and waiting for the client named
+        beside each (the PD router's question to a restarted decode node)."""
+        if self.reattach is None:
+            return []
+        adopted = self.reattach.adopted
+        return [
+            rid
+            for rid, client in zip(msg.rids, msg.clients, strict=True)
+            if rid in adopted.owners and adopted.owners[rid].client == client
+            if rid not in adopted.parked
+        ]
 
     def _await_clients(self, adopted: Adopted) -> None:
         """Each adopted request gets a detached waiter: its client re-submits to attach."""

@@ -58,7 +58,7 @@ class EngineBase:
         self.reqs: dict[str, Req] = {}  # every request not yet finished or aborted
         self.stats = EngineStats()
         # What a restarted scheduler needs, committed to memsvc (scheduler_svc.adopt);
-        # None: nothing is committed (PD engines, tests).
+        # None: nothing is committed (a prefill node, tests).
         self.journal: Journal | None = None
         self._commands: deque[tuple[str, Any]] = deque()
         layout = mem.layout
@@ -114,6 +114,20 @@ class EngineBase:
     def _enqueue(self, req: Req) -> None:
         """A submitted request joins the queue it starts in: ``waiting`` here."""
         self.waiting.append(req)
+
+    # -- adoption (scheduler_svc.adopt) ----------------------------------------
+
+    # A request adopted without KV is computed again here; a PD decode node cannot.
+    recomputes_adopted = True
+
+    def adoptable(self) -> Callable[[Req], bool]:
+        """Which requests a successor could continue exactly (the journal records them):
+        not a PD hand-off."""
+        return lambda req: req.bootstrap_room is None
+
+    def adopt_from_host(self, reqs: list[Req]) -> None:
+        """Adopted requests whose KV is in memsvc's host store: loaded back first."""
+        self.waiting.extendleft(reversed(reqs))
 
     # -- shared by the rounds --------------------------------------------------
 

@@ -240,6 +240,9 @@ class DecodeEngine(Engine):
             if peer is None:
                 break
             room, self._next_room = self._next_room, self._next_room + 1
+            self.retracted.popleft()
+            self.migrating[room] = req
+            await self.commit_journal()  # its record goes first: a successor must not take it
             try:
                 await self.mem.pd_send(
                     req.rid,
@@ -252,10 +255,10 @@ class DecodeEngine(Engine):
                 )
             except InvalidArgumentError as exc:  # this pool cannot send (a hybrid one)
                 log.warning("migration to %s is off: %s", self.migration.address, exc)
+                del self.migrating[room]
+                self.retracted.appendleft(req)
                 self.migration = None
                 break
-            self.retracted.popleft()
-            self.migrating[room] = req
             self._moving_since[room] = time.perf_counter()
             await self.migration.hand_over(req, room)
             self._event("migrate", req)
@@ -355,6 +358,23 @@ class DecodeEngine(Engine):
                 )
                 await self._abort(req, message, 504)
         return bool(expired)
+
+    # -- adoption by a restarted decode scheduler (scheduler_svc.adopt) ----------------
+
+    recomputes_adopted = False  # one adopted without KV is left to the router to redrive
+
+    def adoptable(self) -> Callable[[Req], bool]:
+        """A request whose KV arrived and stays here: running, or retracted to the host
+        store and not moving to the peer (a successor could not tell where it went)."""
+        moving = {id(r) for r in self.migrating.values()}
+        return lambda req: (
+            req.state is ReqState.RUNNING
+            or (req.host_copy and req.state is ReqState.RETRACTED and id(req) not in moving)
+        )
+
+    def adopt_from_host(self, reqs: list[Req]) -> None:
+        """They wait in the retracted queue, to be loaded back as any victim."""
+        self.retracted.extend(reqs)
 
     # -- preallocation and transfer --------------------------------------------------
 

@@ -5,7 +5,7 @@ A prefill node silent for ``--prefill-timeout`` seconds fails the requests
 that wait on it. A node that answers with a new pid was restarted and lost
 what it ran, so it is caught up: a prefill scheduler gets the prefill requests
 its predecessor had not answered, a decode scheduler every live request again
-from the start.
+(those it adopted with their KV decode on; the rest start over).
 """
 
 from __future__ import annotations
@@ -96,18 +96,28 @@ class NodeWatch:
         log.warning("prefill scheduler restarted: %d requests sent to it again", resent)
 
     async def _decode_restarted(self) -> None:
-        """The decode scheduler was restarted, and every request it ran is gone: start over.
+        """The decode scheduler was restarted: reattach what it adopted, start over the rest.
 
         Each live request goes to the new decode scheduler again (under its own
         room; the stream restarts at offset 0 and clients drop what they already
-        have), and its prompt is prefilled again under a new name on the prefill
-        node, once that node has answered the prefill it still runs for the
-        room (that one may deliver to the new decode scheduler instead, or fail:
-        either way the new prefill follows). Re-bootstraps for the old
-        scheduler's rooms are aborted.
+        have). One the new scheduler adopted from its predecessor with its KV
+        (:mod:`scheduler_svc.adopt`; asked with ``adopted``) decodes on from
+        there: nothing is prefilled again, and what the prefill node still runs
+        for it is aborted. Every other one has its prompt prefilled again under a
+        new name on the prefill node, once that node has answered the prefill it
+        still runs for the room (that one may deliver to the new decode scheduler
+        instead, or fail: either way the new prefill follows). Re-bootstraps for
+        the old scheduler's rooms are aborted.
         """
         router = self.router
         flights = list(router.flights.values())
+        adopted = await self._adopted(flights)
+        for flight in [f for f in flights if f.rid in adopted]:
+            await router.abort_on_prefill(router.drop_prefill_ops(flight), flight.client)
+            flight.redrive_pending = False
+            flight.prefill_error = None
+            await router.send_decode(flight)
+        flights = [f for f in flights if f.rid not in adopted]
         for flight in flights:
             room = flight.header["bootstrap_room"]
             stale = [op for op, (h, _) in flight.prefill_ops.items() if h["bootstrap_room"] != room]
@@ -125,4 +135,25 @@ class NodeWatch:
             else:
                 await router.replies.prefill_again(flight)
         router.stats["redrives"] += len(flights)
-        log.warning("decode scheduler restarted: %d requests started over", len(flights))
+        router.stats["reattached"] += len(adopted)
+        log.warning(
+            "decode scheduler restarted: %d requests reattached with their KV, %d started over",
+            len(adopted),
+            len(flights),
+        )
+
+    async def _adopted(self, flights: list) -> set[str]:
+        """The rids of ``flights`` the restarted decode scheduler adopted with their KV (none
+        if it does not answer: those start over)."""
+        if not flights:
+            return set()
+        query = {
+            "op": "adopted",
+            "rids": [f.rid for f in flights],
+            "clients": [f.client for f in flights],
+        }
+        reply = await self.router.call(self.router.decode, query)
+        if reply is None or not reply.get("ok"):
+            log.warning("the restarted decode scheduler did not say what it adopted: %s", reply)
+            return set()
+        return set(reply.get("rids") or ())

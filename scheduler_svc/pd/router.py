@@ -32,8 +32,8 @@ its messages); another client's gets ``duplicate_rid``, and its abort
 too. A scheduler restarted at the same address (a new pid answers the
 router's ping) is caught up (:mod:`scheduler_svc.pd.node_watch`): the prefill one
 gets the prefill requests its predecessor had not answered, the decode one
-every live request again from the start (whose prompt the prefill node
-prefills again). A prefill request left without a use (its decode side
+every live request again; those it adopted with their KV decode on, the rest
+start over (their prompt prefilled again). A prefill request left without a use (its decode side
 ended first) is aborted on the prefill node, so nothing stays held there.
 Undecodable replies are dropped; a ``malformed`` error for a generate
 (damaged on the way) sends it again.
@@ -113,6 +113,7 @@ class Router:
             "resubmits": 0,  # a client sent a live rid again
             "prefill_resends": 0,  # re-sent to a restarted prefill scheduler
             "redrives": 0,  # started over on a restarted decode scheduler
+            "reattached": 0,  # adopted by a restarted decode scheduler: decoding on
         }
 
     async def run(self, ready_file: str | None = None) -> None:
@@ -170,8 +171,11 @@ class Router:
                     self.spawn(self._abort(identity, msg))
                 elif msg.op == "flush_cache":
                     self.spawn(self._flush_cache(identity, msg))
-                else:
+                elif msg.op == "info":
                     self.spawn(self._info(identity, msg))
+                else:  # a node's op (migrate_in, adopted): not the router's
+                    message = f"the router does not serve {msg.op!r}"
+                    await self.reply(identity, error_reply(msg.op_id, "bad_request", message, 400))
             except wire.ProtocolError as exc:
                 # Echo the op_id even of an invalid message: the client matches by it.
                 op_id = wire.best_effort_op_id(payload)

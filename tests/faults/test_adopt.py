@@ -1,5 +1,6 @@
 """Issue 32, part 1: a scheduler killed mid-decode is restarted and adopts the KV memsvc
-still holds; nothing is re-prefilled.
+still holds; nothing is re-prefilled. In PD mode, the decode scheduler likewise (the
+last test).
 
 The supervised normal stack of :mod:`tests.faults.harness` (a 256-token pool, a low
 schedule conservativeness and SGLang's testing retract, so the workload retracts),
@@ -115,3 +116,53 @@ def test_another_session_cannot_adopt_the_live_scheduler(harness: FaultHarness) 
 
 def _header(header, arrays):
     return header
+
+
+# -- PD mode: the decode scheduler is killed --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pd_harness() -> Iterator[FaultHarness]:
+    workdir = temp_workdir()
+    try:
+        with FaultHarness(workdir, SEED, mode="pd") as running:
+            yield running
+        assert not running.leftovers, running.leftovers
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_decode_scheduler_killed_mid_decode_adopts_and_the_router_reattaches(
+    pd_harness: FaultHarness,
+) -> None:
+    """The PD stack's decode scheduler SIGKILLed mid-decode (memsvc-D survives): its
+    successor adopts the requests whose KV had arrived (running, or retracted to
+    memsvc-D's host store), and the router, told which with ``adopted``, re-submits
+    them to it without prefilling them again; the rest (still awaiting their KV)
+    start over through the prefill node. Before: the successor ended the dead
+    session and every request started over (adopted_reqs 0, reattached 0)."""
+    before = pd_harness.info()
+    result = pd_harness.run(pd_harness.scenario(5, "kill_scheduler-d", trigger=40))
+    after = pd_harness.info()
+    recovery, router = after["recovery"], after["router"]
+    reattached = router.get("reattached", 0) - before["router"].get("reattached", 0)
+    redrives = router["redrives"] - before["router"]["redrives"]
+    print(
+        "ADOPT pd",
+        json.dumps(
+            {
+                "adopted_reqs": recovery.get("adopted_reqs"),
+                "adopted_kv_tokens": recovery.get("adopted_kv_tokens"),
+                "reprefilled_tokens": recovery["reprefilled_tokens"],
+                "discarded_step_tokens": recovery.get("discarded_step_tokens"),
+                "reattached": reattached,
+                "redrives": redrives,
+                "outcomes": {s: result.count(s) for s in ("identical", "error", "mismatch")},
+            }
+        ),
+    )
+    check(result, "sigkill_scheduler-d")
+    assert result.count("error") == 0, [o.detail for o in result.outcomes if o.detail]
+    assert recovery["adopted_reqs"] > 0 and recovery["adopted_kv_tokens"] > 0, recovery
+    assert reattached > 0, router
+    assert reattached <= recovery["adopted_reqs"], (router, recovery)

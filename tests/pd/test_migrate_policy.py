@@ -18,6 +18,7 @@ import pytest
 
 from kvstack.sim.worker import expected_output
 from memsvc.handlers import MemService
+from scheduler_svc.adopt import Journal, Owner
 from scheduler_svc.core import Req
 from tests.helpers import pool_service
 from tests.pd.decode_harness import DecodeNode
@@ -57,6 +58,7 @@ def run_under_pressure(pool: MemService, **engine: Any) -> tuple[DecodeNode, Ref
     """Six requests whose growth overflows the pool: the node retracts some to the host
     store; returns the node, the peer and the rooms the node sent KV to."""
     sends: list[tuple[str, dict[str, Any]]] = []
+    recorded: set[str] = set()
 
     async def scenario() -> DecodeNode:
         node = await DecodeNode(pool, num_reserved_decode_tokens=4).start()
@@ -70,6 +72,9 @@ def run_under_pressure(pool: MemService, **engine: Any) -> tuple[DecodeNode, Ref
             sends.append((rid, kwargs))
 
         node.mem.pd_send = pd_send
+        journal = engine.pop("journal", False)
+        if journal:  # records for a successor (scheduler_svc.adopt)
+            node.engine.journal = Journal(owner_of=lambda rid: Owner("c", "fp-" + rid, True))
         prompts = {f"r{i}": [(i + 5) * (j + 1) % 241 + 1 for j in range(30)] for i in range(6)}
         for rid, prompt in prompts.items():
             node.submit(rid, prompt, 40)
@@ -77,12 +82,21 @@ def run_under_pressure(pool: MemService, **engine: Any) -> tuple[DecodeNode, Ref
 
         def before_step(i: int) -> None:
             node.release()  # every transfer succeeds at once
+            if journal:  # a request moving away is never one a successor would take
+                moving = {r.rid for r in node.engine.migrating.values()}
+                records = {rid for j in pool.journals._by_session.values() for rid in j.records}
+                assert not moving & records, (moving, records)
+                recorded.update(records)
 
         await node.run(before_step=before_step)
         assert node.engine.stats.retracted_reqs > 0, "the pool never ran short: no victim"
         for rid, prompt in prompts.items():
             assert node.done[rid].output_ids == expected_output(prompt, 40), rid
         pool.pool.check_integrity(idle=True)
+        if journal:
+            assert recorded == set(prompts), recorded  # each was recorded once its KV came
+            await node.engine.commit_journal()  # (the last ends are told at the next commit)
+            assert not any(j.records for j in pool.journals._by_session.values())
         node.peer = peer
         return node
 
@@ -107,3 +121,11 @@ def test_always_moves_whatever_the_cost(pool: MemService) -> None:
     node, peer, sends = run_under_pressure(pool, move_bytes_per_s=1.0, migrate_always=True)
     assert peer.offered == [rid for rid, _ in sends]
     assert sends and node.engine.stats.migrate_waited_steps == 0
+
+
+def test_the_journal_drops_a_request_while_it_moves(pool: MemService) -> None:
+    """A PD decode node records each request once its KV arrived (a restarted scheduler
+    adopts it); one moving to the peer has none (a successor must not resume it here
+    while the peer runs it), and gets it back when the move fails."""
+    node, _, sends = run_under_pressure(pool, move_bytes_per_s=1e15, journal=True)
+    assert sends and node.engine.stats.migrate_failed == len(sends)

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from memsvc import protocol as wire
 from memsvc.client import Call
 from memsvc.core import KVPool
 from memsvc.handlers import MemService, ServiceConfig
 from model_svc.tokenizer import ByteTokenizer
+from scheduler_svc import protocol as p
 from scheduler_svc.adopt import Journal, Owner
 from scheduler_svc.core import Req, ReqState, SamplingParams, SchedulerConfig
 from scheduler_svc.engine import Engine
@@ -320,6 +322,49 @@ def test_logprob_requests_are_adopted_with_their_logprobs(service, tmp_path, sta
         assert second.model.extend_tokens == 0, "the successor re-prefilled"
         for rid in PROMPTS:
             assert logprob_state(second.done[rid]) == want[rid], rid
+        await goodbye(second)
+        service.pool.check_integrity(idle=True)
+
+    asyncio.run(scenario())
+
+
+def test_adopted_answers_only_for_the_owning_client(service, tmp_path) -> None:
+    """``adopted`` (the PD router's question to a restarted decode node) names the rids
+    adopted with their KV whose owner is the client asked with; a rid of another
+    client, one adopted without KV or one never seen is not named, and a malformed
+    query is refused. Nothing changes."""
+
+    async def scenario() -> None:
+        first = await Node(service, tmp_path / "session").start(stall_at=4)
+        first.submit_all()
+        await first.die_in_step()
+        second = await Node(service, tmp_path / "session").start()
+        front = SchedulerService(
+            second.engine,
+            "ipc:///nonexistent",
+            tokenizer=ByteTokenizer(),
+            capacity=256,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+            recovery=second.recovery,
+        )
+        with_kv = set(PROMPTS) - set(front.reattach.adopted.parked)
+        assert with_kv, "the first node died holding no KV"
+        rids = [*PROMPTS, "never-seen"]
+        clients = ["client-1"] * len(rids)
+        clients[0] = "client-2"  # r0 is client-1's: another client asking learns nothing
+        query = {"op": "adopted", "op_id": 7, "rids": rids, "clients": clients}
+        reply = wire.unpack(front._accept(b"router", p.parse_request(wire.pack(query))))
+        assert reply["ok"] and reply["op_id"] == 7
+        assert set(reply["rids"]) == with_kv - {"r0"}
+        with pytest.raises(wire.ProtocolError, match="same length"):
+            p.parse_request(wire.pack({**query, "clients": clients[:-1]}))
+        assert set(front._waiters) == set(PROMPTS)  # asking attached nothing
+        assert all(w.identity is None for w in front._waiters.values())
+        for rid in PROMPTS:
+            front.engine.abort(rid)
+        await second.run()
         await goodbye(second)
         service.pool.check_integrity(idle=True)
 
