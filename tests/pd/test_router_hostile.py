@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 
 from kvstack.stack.process import Service
 from memsvc import protocol as wire
@@ -32,6 +34,7 @@ class RecordingNode(FakeNode):
     def __init__(self, address: str, pid: int) -> None:
         self.received: list[dict[str, Any]] = []
         self._live: dict[str, tuple[bytes, int]] = {}  # rid -> (router identity, op_id)
+        self.on_op: dict[str, Callable[[bytes, dict[str, Any]], None]] = {}  # a test's answers
         super().__init__(address, pid)
 
     def _serve(self) -> None:
@@ -42,7 +45,9 @@ class RecordingNode(FakeNode):
             header = wire.unpack(frames)
             self.received.append(header)
             op, op_id = header.get("op"), header.get("op_id")
-            if op == "info":
+            if op in self.on_op:
+                self.on_op[op](identity, header)
+            elif op == "info":
                 reply = {"ok": True, "op_id": op_id, "pid": self.pid, "num_running": 0}
                 self._send(identity, {**reply, "num_waiting": 0, "progress": self.progress})
             elif op == "generate":
@@ -135,3 +140,82 @@ def test_another_client_can_neither_take_over_nor_abort_a_rid(router, nodes) -> 
         waiting.join(timeout=10)
         owner.close()
         other.close()
+
+
+def test_a_restarted_decode_node_reattaches_what_it_adopted(launcher, tmp_path) -> None:
+    """The decode scheduler restarts (a new pid answers the ping): the router asks it which
+    live requests it adopted, sends every one the generate again, and prefills only
+    the others again (the adopted one's prefill is aborted; the other's waits for the
+    prefill node's answer to the old one). A client asking the router ``adopted`` is
+    refused: it is a node's op."""
+    with open_nodes(tmp_path, RecordingNode) as nodes:
+        decode, prefill = nodes["decode"], nodes["prefill"]
+        answers: dict[str, list[str]] = {"a": ["client-a"]}
+
+        def adopted(identity: bytes, header: dict[str, Any]) -> None:
+            pairs = zip(header["rids"], header["clients"], strict=True)
+            rids = [rid for rid, client in pairs if client in answers.get(rid, [])]
+            decode._send(identity, {"ok": True, "op_id": header["op_id"], "rids": rids})
+
+        decode.on_op["adopted"] = adopted
+        router = start_router(launcher, nodes)
+        clients = {
+            rid: GenerateClient(
+                router.address, timeout_s=60, resubmits=0, client_id=f"client-{rid}"
+            )
+            for rid in ("a", "b")
+        }
+        results: dict[str, Any] = {}
+
+        def generate(rid: str) -> None:
+            try:
+                results[rid] = clients[rid].generate(PROMPT, sampling=SAMPLING, rid=rid)
+            except Exception as exc:  # said in the check at the end
+                results[rid] = exc
+
+        threads = [threading.Thread(target=generate, args=(rid,)) for rid in clients]
+        try:
+            for thread in threads:
+                thread.start()
+            _wait_for(lambda: all(prefill.seen("generate", rid) for rid in clients))
+            # the router has heard the first pid (the ping after it was answered), then a new one
+            _wait_for(lambda: sum(h.get("op") == "info" for h in decode.received) >= 2)
+            decode.pid = 99  # restarted
+            _wait_for(lambda: all(len(decode.seen("generate", rid)) == 2 for rid in clients))
+            asked = [h for h in decode.received if h.get("op") == "adopted"]
+            assert len(asked) == 1 and sorted(asked[0]["rids"]) == ["a", "b"], asked
+            _wait_for(lambda: prefill.seen("abort", "a"))
+            assert not prefill.seen("abort", "b")  # its prefill again waits for the old one
+            prefilled = [h["rid"] for h in prefill.received if h.get("op") == "generate"]
+            assert sorted(prefilled) == ["a", "b"], prefilled  # nothing prefilled again yet
+            with GenerateClient(router.address, timeout_s=30, resubmits=0) as other:
+                router_stats = other.info()["router"]
+            assert router_stats["reattached"] == 1 and router_stats["redrives"] == 1
+            query = {"op": "adopted", "op_id": 3, "rids": ["a"], "clients": ["client-a"]}
+            reply = _raw_call(router.address, query)
+            assert not reply["ok"] and reply["code"] == "bad_request", reply
+            for rid in clients:  # (a client of its own: the first is in its generate)
+                with GenerateClient(router.address, timeout_s=30, client_id=f"client-{rid}") as c:
+                    assert c.abort(rid) is True
+        finally:
+            for thread in threads:
+                thread.join(timeout=10)
+            for client in clients.values():
+                client.close()
+        ends = {rid: getattr(r, "finish_reason", {"type": repr(r)}) for rid, r in results.items()}
+        assert {rid: end["type"] for rid, end in ends.items()} == {"a": "abort", "b": "abort"}
+
+
+def _raw_call(address: str, header: dict[str, Any]) -> dict[str, Any]:
+    """One message on a socket of its own; the reply's header."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        sock.send_multipart(wire.pack(header))
+        assert sock.poll(10_000), f"no answer to {header['op']!r}"
+        return wire.unpack(sock.recv_multipart())
+    finally:
+        sock.close(0)
+        ctx.term()
