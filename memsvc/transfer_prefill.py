@@ -177,9 +177,12 @@ class PrefillSide:
             raise InvalidArgumentError(
                 "no decode node to send to: pd_send names no peer and memsvc has no --transfer-peer"
             )
+        swa_host_pages = None
         if from_host:
-            host_pages = self._host_pages(rid, num_tokens)
+            host_pages, swa_host_pages = self._host_pages(rid, num_tokens)
             pages, swa_pages = np.arange(host_pages.shape[0]), None
+            if swa_host_pages is not None:  # hybrid: the window's, counted as the room's
+                swa_pages = np.arange(swa_host_pages.shape[0])
         else:
             host_pages = None
             req = self.pool.request(rid)
@@ -193,6 +196,7 @@ class PrefillSide:
         now = time.monotonic()
         room = Room(room_id, rid, pages, num_tokens, KVPoll.BOOTSTRAPPING, created=now)
         room.swa_pages, room.host_pages = swa_pages, host_pages
+        room.swa_host_pages = swa_host_pages
         room.first_token, room.cached_tokens = first_token, cached
         room.peer_rid = peer_rid or rid
         room.peer_address = address
@@ -201,18 +205,26 @@ class PrefillSide:
         self.rooms[room_id] = room
         self._query(room, now)
 
-    def _host_pages(self, rid: str, num_tokens: int) -> np.ndarray:
-        """``rid``'s host-store pages, which must hold exactly ``num_tokens`` tokens."""
-        if self.pool.layout.is_hybrid:
-            raise InvalidArgumentError(
-                "a hybrid (sliding-window) pool's host entries cannot be sent yet"
-            )
-        held, host_pages = self.pool.host_store.pages(rid)
+    def _host_pages(self, rid: str, num_tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``rid``'s host-store pages, which must hold exactly ``num_tokens`` tokens, and
+        (a hybrid pool) its SWA pages, which must be the window's: what the decode side
+        expects (:func:`~memsvc.transfer_rooms.swa_window_pages`)."""
+        store = self.pool.host_store
+        held, host_pages = store.pages(rid)
         if held != num_tokens:
             raise InvalidArgumentError(
                 f"{rid!r}'s host-store entry holds {held} tokens, not {num_tokens}"
             )
-        return host_pages
+        if not self.pool.layout.is_hybrid:
+            return host_pages, None
+        swa_from, swa_pages = store.window_pages(rid)
+        window = store.swa_tail_start(num_tokens)
+        if swa_from != window:
+            raise InvalidArgumentError(
+                f"{rid!r}'s host-store entry keeps SWA KV from position {swa_from}, not from "
+                f"its window's start {window}"
+            )
+        return host_pages, swa_pages
 
     def _query(self, room: Room, now: float) -> None:
         frames = pack_frames({"t": "query", "room": room.room, "rid": room.peer_rid})
@@ -339,9 +351,15 @@ class PrefillSide:
 
 def send_host_pages(room: Room, peer: _Routed) -> None:
     """A host-store entry's pages as zmq data frames (what :class:`ZmqMover` sends from the
-    pool): the receiver writes them into the room's pages whatever its backend."""
+    pool), then (hybrid) its window's SWA pages (``pool: swa``): the receiver writes them
+    into the room's pages whatever its backend."""
     assert room.host_pages is not None
-    for start in range(0, room.host_pages.shape[0], CHUNK_PAGES):
-        chunk = np.ascontiguousarray(room.host_pages[start : start + CHUNK_PAGES])
-        peer.send_multipart(pack_frames({"t": "data", "room": room.room, "start": start}, chunk))
-    room.host_pages = None  # on the wire: the entry may go
+    parts = [(room.host_pages, {})]
+    if room.swa_host_pages is not None:
+        parts.append((room.swa_host_pages, {"pool": "swa"}))
+    for pages, pool in parts:
+        for start in range(0, pages.shape[0], CHUNK_PAGES):
+            chunk = np.ascontiguousarray(pages[start : start + CHUNK_PAGES])
+            header = {"t": "data", "room": room.room, "start": start, **pool}
+            peer.send_multipart(pack_frames(header, chunk))
+    room.host_pages = room.swa_host_pages = None  # on the wire: the entry may go

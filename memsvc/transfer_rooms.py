@@ -112,6 +112,7 @@ class Room:
     peer_address: str = ""  # prefill side: the decode node's transfer socket it goes to
     # sending from the host store (a retracted request migrating): its pages, in order
     host_pages: np.ndarray | None = None
+    swa_host_pages: np.ndarray | None = None  # hybrid: its window's SWA pages, in order
 
     def report(self) -> dict[str, Any]:
         return {

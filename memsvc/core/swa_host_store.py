@@ -204,6 +204,15 @@ class HybridHostStore:
         """The stored full KV (``[tokens, full layers, 2, heads, dim]``; for tests)."""
         return self.full.read(rid)
 
+    def pages(self, rid: str) -> tuple[int, np.ndarray]:
+        """``rid``'s token count and its full pages (:meth:`HostStore.pages`)."""
+        return self.full.pages(rid)
+
+    def window_pages(self, rid: str) -> tuple[int, np.ndarray]:
+        """Where ``rid``'s SWA part starts and its SWA pages, in token order (a copy: what
+        a migration sends beside :meth:`pages`)."""
+        return self.swa_from(rid), self.swa.pages(rid)[1]
+
     def read_swa(self, rid: str) -> np.ndarray:
         """The stored SWA KV from :meth:`swa_from` on (``[tokens, swa layers, 2, heads, dim]``)."""
         return self.swa.read(rid)

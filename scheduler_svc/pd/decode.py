@@ -253,7 +253,7 @@ class DecodeEngine(Engine):
                     peer=peer,
                     from_host=True,
                 )
-            except InvalidArgumentError as exc:  # this pool cannot send (a hybrid one)
+            except InvalidArgumentError as exc:  # this memsvc cannot send (no PD role)
                 log.warning("migration to %s is off: %s", self.migration.address, exc)
                 del self.migrating[room]
                 self.retracted.appendleft(req)

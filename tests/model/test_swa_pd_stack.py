@@ -64,3 +64,37 @@ def test_pd_decode_retracts_by_offload_and_resumes(
         with MemClient(up[f"memsvc-{node}"].address) as mem:
             mem.check(idle=True)  # both pools, both host-store arenas
             assert mem.stats()["host_store_entries"] == 0
+
+
+def test_pd_decode_moves_victims_to_its_peer_with_their_window(
+    launcher, swa_checkpoints, growing_oracle
+) -> None:
+    """Issue 32, part 2, on a hybrid pool: the small decode node D1 moves its retracted
+    requests (full KV and the window's SWA KV, from its host store) to the roomy D2
+    (``--migrate-policy always``), which decodes on; outputs equal transformers'.
+    Before: a hybrid pool's host entry could not be sent, and D1 turned migration off."""
+    up = launcher.start_pd_stack(
+        swa_checkpoints["hybrid"],
+        POOL,
+        ["--num-reserved-decode-tokens", "8"],
+        decode_pool=SMALL_DECODE,
+        decode_scheduler=["--schedule-conservativeness", "0.3", "--migrate-policy", "always"],
+        migrate_to_pool=[],
+        transfer_backend="nixl",
+        suffix="-moves",
+    )
+    got = run_all(up["router"].address, "growing")
+    mine, want = outputs(got, growing_oracle["hybrid"])
+    assert mine == want
+    with GenerateClient(up["router"].address) as client:
+        d1 = client.info()["stats"]
+    with GenerateClient(up["scheduler-d2"].address) as client:
+        d2 = client.info()["stats"]
+    assert d1["retracted_reqs"] > 0, "the small decode pool should force retracts"
+    assert d1["migrated_out_reqs"] > 0 and d1["migrate_failed"] == 0, d1
+    assert d2["migrated_in_reqs"] == d1["migrated_out_reqs"], (d1, d2)
+    assert d1["reprefilled_tokens"] == 0 and d2["prefill_tokens"] == 0
+    for node in ("p", "d", "d2"):
+        with MemClient(up[f"memsvc-{node}"].address) as mem:
+            mem.check(idle=True)
+            assert mem.stats()["host_store_entries"] == 0

@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from memsvc.client import MemClient
+from memsvc.client import MemClient, RetractTarget
 from memsvc.core.backends import attach
 from memsvc.transfer import KVPoll
-from tests.pd.test_transfer import pd_pair, wait_state
+from tests.pd.test_migrate_transfer import decode_pair
+from tests.pd.test_transfer import BACKENDS, pd_pair, wait_state
 
 F, S = "full_attention", "sliding_attention"
 W, PS = 10, 4
@@ -103,3 +104,60 @@ def test_a_decode_node_of_another_window_is_refused(memsvc_factory, tmp_path):
         d.free_row("r")
         p.check(idle=True)
         d.check(idle=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_host_entry_of_a_hybrid_pool_moves_with_its_window(memsvc_factory, tmp_path, backend):
+    """Decode node to decode node (issue 32, a retracted request migrating): a hybrid
+    pool's host-store entry goes with every position's full KV and its window's SWA KV
+    (as data frames, whatever the backend); D2's pages below the window get no SWA KV.
+    Before: refused ("a hybrid pool's host entries cannot be sent yet")."""
+    flags = [*hybrid_flags(f"{S},{F},{S}"), "--host-store-bytes", str(1 << 20)]
+    (d1, d2), (_, d2_listen) = decode_pair(memsvc_factory, tmp_path, backend, *flags)
+    num_tokens = 37  # window from floor_page(37 - W) = 24
+    with MemClient(d1.address) as a, MemClient(d2.address) as b:
+        a_kv, b_kv = attach(a.handle), attach(b.handle)
+        try:
+            keep = a.alloc_row("keep")
+            a.alloc_extend([("keep", 4)])
+            row = a.alloc_row("r")
+            a_slots = a.alloc_extend([("r", num_tokens)]).slots
+            a_f2s, b_f2s = a_kv.full_to_swa_page, b_kv.full_to_swa_page
+            rng = np.random.default_rng(3)
+            for slot in a_slots:
+                page, off = slot // PS, slot % PS
+                a_kv.kv[page, :, :, off] = rng.standard_normal(a_kv.kv[page, :, :, off].shape)
+                swa = a_kv.swa_kv[a_f2s[page], :, :, off]
+                a_kv.swa_kv[a_f2s[page], :, :, off] = rng.standard_normal(swa.shape)
+            swa_from = (num_tokens - W) // PS * PS
+            want_full = [a_kv.kv[s // PS, :, :, s % PS].copy() for s in a_slots]
+            want_swa = [a_kv.swa_kv[a_f2s[s // PS], :, :, s % PS].copy() for s in a_slots]
+            targets = [RetractTarget.HOST_ENTRY] * 2
+            assert a.retract([keep, row], targets).retracted == ["r"]
+            b.alloc_row("r")
+            b_slots = b.alloc_extend([("r", num_tokens)]).slots
+            for slot in b_slots:  # D2's SWA pages start poisoned
+                b_kv.swa_kv[b_f2s[slot // PS], :, :, slot % PS] = np.nan
+            b.pd_expect("r", 12)
+            a.pd_send("r", 12, num_tokens, first_token=5, peer=d2_listen, from_host=True)
+            report = wait_state(b, 12)
+            assert report["state"] == KVPoll.SUCCESS, report
+            assert wait_state(a, 12)["state"] == KVPoll.SUCCESS
+            for pos, slot in enumerate(b_slots):
+                page, off = slot // PS, slot % PS
+                np.testing.assert_array_equal(b_kv.kv[page, :, :, off], want_full[pos])
+                got = b_kv.swa_kv[b_f2s[page], :, :, off]
+                if pos >= swa_from:
+                    np.testing.assert_array_equal(got, want_swa[pos])
+                else:
+                    assert np.isnan(got).all()
+            a.host_discard("r")
+            a.free_row("keep")
+            a.pd_forget([12])
+            b.pd_forget([12])
+            b.free_row("r")
+            a.check(idle=True)
+            b.check(idle=True)
+        finally:
+            a_kv.close()
+            b_kv.close()
