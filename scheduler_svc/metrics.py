@@ -121,7 +121,11 @@ class _Collector:
             yield CounterMetricFamily(f"kvstack_{name}", doc, value=value)
         # A PD decode node's moves to / from another decode node (scheduler_svc.pd.migrate)
         for name, doc in [
-            ("migrated_out_reqs", "Retracted requests moved to the peer decode node"),
+            ("migrated_out_reqs", "Requests moved to the peer decode node"),
+            (
+                "migrated_from_row_reqs",
+                "Of those, running requests sent straight from their pool pages (draining)",
+            ),
             ("migrated_out_tokens", "KV tokens of the requests moved to the peer"),
             ("migrate_failed", "Moves to the peer that failed (the request stayed here)"),
             ("migrated_in_reqs", "Requests another decode node moved here"),

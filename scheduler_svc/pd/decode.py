@@ -11,7 +11,6 @@ from typing import Any
 
 from memsvc.client import RetractTarget
 from memsvc.core.errors import (
-    HostStoreFullError,
     InvalidArgumentError,
     MemsvcError,
     OutOfRowsError,
@@ -55,6 +54,7 @@ class DecodeEngine(Engine):
         self.migrating: dict[int, Req] = {}
         self.migrate_always = False  # --migrate-policy always: no cost model
         self._moving_since: dict[int, float] = {}  # room -> when its send started
+        self._from_row: set[int] = set()  # moves sent from a running request's row
         self.draining = False  # every request moves to the peer (SIGTERM with a peer)
         self.on_migrated: Callable[[Req], None] = lambda req: None
         # Moved here from another node, their KV on its way: rid -> when they give up on it.
@@ -71,6 +71,7 @@ class DecodeEngine(Engine):
             "migrated_out_tokens",
             "migrate_failed",
             "migrated_in_reqs",
+            "migrated_from_row_reqs",
             "migrate_waited_steps",
         ):
             setattr(self.stats, name, 0)
@@ -96,14 +97,16 @@ class DecodeEngine(Engine):
         await self._apply_commands()
         if not self.running and (self.retracted or self.prealloc):
             await self.mem.heartbeat()  # fresh sizes when no decode step brought them
-        if self.draining:  # nothing runs or resumes here: everything moves to the peer
-            did = await self._park_running()
+        if self.draining:  # nothing resumes here: everything moves to the peer
             resumed: list[Req] = []
+            did = False
         else:
             resumed = await self._resume_retracted()
             did = bool(resumed)
         if self.migration is not None:
             did = await self._migrate_retracted() or did
+            if self.draining and self.migration is not None:
+                did = await self._move_running() or did
             did = await self._poll_migrations() or did
         if self.arrived:
             did = await self._expire_arrivals() or did
@@ -239,31 +242,64 @@ class DecodeEngine(Engine):
             peer = await self.migration.room_for(self._required(req))
             if peer is None:
                 break
-            room, self._next_room = self._next_room, self._next_room + 1
             self.retracted.popleft()
-            self.migrating[room] = req
-            await self.commit_journal()  # its record goes first: a successor must not take it
-            try:
-                await self.mem.pd_send(
-                    req.rid,
-                    room,
-                    req.seq_len - 1,
-                    req.output_ids[-1],
-                    req.cached_tokens,
-                    peer=peer,
-                    from_host=True,
-                )
-            except InvalidArgumentError as exc:  # this memsvc cannot send (no PD role)
-                log.warning("migration to %s is off: %s", self.migration.address, exc)
-                del self.migrating[room]
+            if not await self._send_move(req, peer):
                 self.retracted.appendleft(req)
-                self.migration = None
                 break
-            self._moving_since[room] = time.perf_counter()
-            await self.migration.hand_over(req, room)
-            self._event("migrate", req)
             started = True
         return started
+
+    async def _move_running(self) -> bool:
+        """Draining: send running requests to the peer straight from their pool pages (no
+        host-store copy), as the peer has room; returns whether one started. One the
+        peer cannot take yet decodes on here meanwhile; one whose move fails decodes on
+        from its row (:meth:`_poll_migrations`)."""
+        assert self.migration is not None
+        if not self.running:
+            return False
+        await self._drop_ahead()  # a row holds exactly its written KV: what is sent
+        started = False
+        for req in list(self.running):
+            if len(self.migrating) >= MAX_IN_FLIGHT:
+                break
+            peer = await self.migration.room_for(self._required(req))
+            if peer is None:
+                break
+            self.running.remove(req)
+            if not await self._send_move(req, peer, from_host=False):
+                self.running.append(req)
+                break
+            started = True
+        return started
+
+    async def _send_move(self, req: Req, peer: str, *, from_host: bool = True) -> bool:
+        """Start sending ``req``'s KV (its host copy, or its row's pages) to ``peer`` and
+        hand the request over; False (migration turned off) if this memsvc cannot send."""
+        assert self.migration is not None
+        room, self._next_room = self._next_room, self._next_room + 1
+        self.migrating[room] = req
+        await self.commit_journal()  # its record goes first: a successor must not take it
+        try:
+            await self.mem.pd_send(
+                req.rid,
+                room,
+                req.seq_len - 1,
+                req.output_ids[-1],
+                req.cached_tokens,
+                peer=peer,
+                from_host=from_host,
+            )
+        except InvalidArgumentError as exc:  # this memsvc cannot send (no PD role)
+            log.warning("migration to %s is off: %s", self.migration.address, exc)
+            del self.migrating[room]
+            self.migration = None
+            return False
+        if not from_host:
+            self._from_row.add(room)
+        self._moving_since[room] = time.perf_counter()
+        await self.migration.hand_over(req, room)
+        self._event("migrate", req)
+        return True
 
     def _move_pays(self, req: Req) -> bool:
         """The retract cost model's choice for ``req``, retracted to the host store: moving
@@ -276,35 +312,10 @@ class DecodeEngine(Engine):
         allocatable = self._allocatable(count_retracted=False)
         return self.cost.migrate_beats_waiting(req, self._required(req), allocatable, running)
 
-    async def _park_running(self) -> bool:
-        """Draining: every running request's KV goes to the host store (as a retract by
-        offload), to move from there; returns whether any did. One the store cannot
-        take now stays running, and tries again next step."""
-        if not self.running:
-            return False
-        await self._drop_ahead()
-        await self.commit_journal()
-        parked = False
-        for req in list(self.running):
-            try:
-                await self.mem.offload(req.rid, req.kv_len)
-            except HostStoreFullError:
-                break
-            await self.mem.release(req.rid, is_insert=False)
-            self.running.remove(req)
-            self.stats.retracted_reqs += 1
-            self.stats.offloaded_reqs += 1
-            self.stats.offloaded_tokens += req.kv_len
-            req.reset_for_retract()
-            req.host_copy = True
-            self.retracted.append(req)
-            self._event("retract", req)
-            parked = True
-        return parked
-
     async def _poll_migrations(self) -> bool:
-        """Commit the moves whose KV arrived (the peer has the request: drop the host copy;
-        its replies are relayed from now on), and take back those that failed."""
+        """Commit the moves whose KV arrived (the peer has the request: drop the host copy,
+        or release the row it was sent from; its replies are relayed from now on), and
+        take back those that failed (retracted again, or decoding on from its row)."""
         if not self.migrating:
             return False
         assert self.migration is not None
@@ -320,14 +331,23 @@ class DecodeEngine(Engine):
         for report in done:
             req = self.migrating.pop(report["room"])
             started = self._moving_since.pop(report["room"], None)
+            from_row = report["room"] in self._from_row
+            self._from_row.discard(report["room"])
             if report["state"] == KVPoll.FAILED:
                 log.warning("request %s did not move: %s", req.rid, report["why"])
                 self.stats.migrate_failed += 1
                 await self.migration.cancel(req.rid)
-                self.retracted.appendleft(req)
+                if from_row:
+                    self.running.append(req)
+                else:
+                    self.retracted.appendleft(req)
                 continue
-            await self.mem.host_discard(req.rid)
-            req.host_copy = False
+            if from_row:
+                await self.mem.release(req.rid, is_insert=False)
+                self.stats.migrated_from_row_reqs += 1
+            else:
+                await self.mem.host_discard(req.rid)
+                req.host_copy = False
             if started is not None:
                 self.cost.observe_move(self.cost.kv_bytes(req), time.perf_counter() - started)
             self.stats.migrated_out_reqs += 1
@@ -368,8 +388,10 @@ class DecodeEngine(Engine):
         store and not moving to the peer (a successor could not tell where it went)."""
         moving = {id(r) for r in self.migrating.values()}
         return lambda req: (
-            req.state is ReqState.RUNNING
-            or (req.host_copy and req.state is ReqState.RETRACTED and id(req) not in moving)
+            id(req) not in moving
+            and (
+                req.state is ReqState.RUNNING or (req.host_copy and req.state is ReqState.RETRACTED)
+            )
         )
 
     def adopt_from_host(self, reqs: list[Req]) -> None:
@@ -548,6 +570,7 @@ class DecodeEngine(Engine):
                 self.migration.finished(req.rid)
         self.migrating.clear()
         self._moving_since.clear()
+        self._from_row.clear()
         self.running.clear()
         self.transfer.clear()
         self.retracted.clear()
@@ -560,9 +583,10 @@ class DecodeEngine(Engine):
             self.retracted.remove(req)
         self.arrived.pop(req.rid, None)
         moving = next((room for room, r in self.migrating.items() if r is req), None)
-        if moving is not None:  # its send is cancelled; the host copy goes below
+        if moving is not None:  # its send is cancelled; its row or host copy goes below
             del self.migrating[moving]
             self._moving_since.pop(moving, None)
+            self._from_row.discard(moving)
             if self.migration is not None:
                 await self.migration.cancel(req.rid)
             await self.mem.pd_forget([moving])

@@ -22,6 +22,7 @@ import numpy as np
 from kvstack import drain
 from memsvc import protocol as wire
 from memsvc import rpc
+from memsvc.client import MemClient
 from scheduler_svc.client import AsyncGenerateClient, Chunk, GenerateClient, GenerateError
 from tests.pd.test_pd_mode import (
     PD_SCHEDULER,
@@ -119,7 +120,8 @@ def drain_in_process(address: str) -> tuple[int, str]:
 
 def test_kvstack_drain_moves_a_decode_node_onto_its_peer(launcher, checkpoint, growth):  # noqa: F811
     """``kvstack drain`` (the node's SIGTERM) on a decode node with a peer: every running
-    request moves there with its KV (parked in the host store first) and ends token for
+    request moves there with its KV (sent straight from its pool pages, no host-store
+    copy; before, each was parked in the host store first) and ends token for
     token as without the move, streamed through the first node; a new request is refused
     meanwhile (503); the node stops once the last one ended. Nothing is computed again.
     A node with no peer is not drained."""
@@ -177,4 +179,6 @@ def test_kvstack_drain_moves_a_decode_node_onto_its_peer(launcher, checkpoint, g
     # Each prompt once: none again for the move (the refused one's 3 tokens may have been
     # prefilled before the router's abort reached the prefill node).
     assert prefilled - sum(len(p) for _, p, _ in reqs) in (0, 3), prefilled
+    with MemClient(up["memsvc-d"].address) as mem:  # sent from the rows: nothing parked
+        assert mem.stats()["counters"].get("op.offload.ok", 0) == 0
     idle_check(up["memsvc-d"], up["memsvc-d2"])

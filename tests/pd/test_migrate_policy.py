@@ -129,3 +129,42 @@ def test_the_journal_drops_a_request_while_it_moves(pool: MemService) -> None:
     while the peer runs it), and gets it back when the move fails."""
     node, _, sends = run_under_pressure(pool, move_bytes_per_s=1e15, journal=True)
     assert sends and node.engine.stats.migrate_failed == len(sends)
+
+
+def test_a_draining_node_sends_running_requests_from_their_rows(pool: MemService) -> None:
+    """Draining: each running request is offered to the peer straight from its pool pages
+    (no host-store copy, no offload); the test's peer refuses every move, so each one
+    decodes on from its row, its tokens unchanged, and the pool ends idle. Before: the
+    node parked every running request in the host store first."""
+    sends: list[tuple[str, dict[str, Any]]] = []
+    offloads: list[str] = []
+
+    async def scenario() -> DecodeNode:
+        node = await DecodeNode(pool, num_reserved_decode_tokens=4).start()
+        node.engine.migration = RefusingPeer()
+        node.engine.draining = True
+
+        async def pd_send(rid: str, room: int, *args: Any, **kwargs: Any) -> None:
+            sends.append((rid, kwargs))
+
+        real_offload = node.mem.offload
+
+        async def offload(rid: str, *args: Any, **kwargs: Any) -> Any:
+            offloads.append(rid)
+            return await real_offload(rid, *args, **kwargs)
+
+        node.mem.pd_send, node.mem.offload = pd_send, offload
+        prompts = {f"r{i}": [(i + 3) * (j + 1) % 241 + 1 for j in range(30)] for i in range(2)}
+        for rid, prompt in prompts.items():
+            node.submit(rid, prompt, 12)
+        await node.run(before_step=lambda i: node.release())
+        for rid, prompt in prompts.items():
+            assert node.done[rid].output_ids == expected_output(prompt, 12), rid
+        pool.pool.check_integrity(idle=True)
+        return node
+
+    node = asyncio.run(scenario())
+    assert sends and {rid for rid, _ in sends} == {"r0", "r1"}
+    assert not any(kwargs.get("from_host") for _, kwargs in sends)
+    assert offloads == [] and node.engine.stats.retracted_reqs == 0
+    assert node.engine.stats.migrate_failed == len(sends)
