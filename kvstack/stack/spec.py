@@ -174,9 +174,10 @@ def pd_stack(run_dir: Path, options: StackOptions) -> list[ProcessSpec]:
 
     memsvc-d, memsvc-p, model_svc-d, model_svc-p, scheduler-d, scheduler-p,
     router: memory services first, then the workers, the schedulers (each
-    with a session file, so a restarted one ends its predecessor's memsvc
-    session at once, which also cancels that session's transfer rooms), and
-    the router last. Stopped in the reverse order.
+    with a session file: a restarted decode scheduler adopts its predecessor's
+    memsvc session, a restarted prefill one ends it at once, which also cancels
+    that session's transfer rooms), and the router last. Stopped in the
+    reverse order.
     """
     from model_svc.tiny import default_checkpoint  # imports torch: only when building
 
