@@ -33,6 +33,18 @@ def decode_pair(memsvc_factory, tmp_path, backend: str, *extra: str):
     return nodes, listens
 
 
+def end_host_move(a: MemClient, b: MemClient, room: int) -> None:
+    """After a move of "r" from D1's host store (``a``, which also holds "keep") into
+    ``room`` on D2 (``b``): D1 drops its entry, both forget the room, both end idle."""
+    a.host_discard("r")
+    a.free_row("keep")
+    a.pd_forget([room])
+    b.pd_forget([room])
+    b.free_row("r")
+    a.check(idle=True)
+    b.check(idle=True)
+
+
 def fill(kv, slots: np.ndarray, page_size: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for slot in slots:
@@ -149,13 +161,7 @@ def test_a_retracted_requests_host_copy_moves_to_another_decode_node(
             got = np.stack([b_kv.kv[s // page_size, :, :, s % page_size] for s in b_slots])
             np.testing.assert_array_equal(got, want)
             assert a.stats()["host_store_entries"] == 1  # D1 drops it once D2 has it
-            a.host_discard("r")
-            a.free_row("keep")
-            a.pd_forget([12])
-            b.pd_forget([12])
-            b.free_row("r")
-            a.check(idle=True)
-            b.check(idle=True)
+            end_host_move(a, b, 12)
             assert a.stats()["host_store_entries"] == 0
         finally:
             a_kv.close()

@@ -12,7 +12,7 @@ import pytest
 from memsvc.client import MemClient, RetractTarget
 from memsvc.core.backends import attach
 from memsvc.transfer import KVPoll
-from tests.pd.test_migrate_transfer import decode_pair
+from tests.pd.test_migrate_transfer import decode_pair, end_host_move
 from tests.pd.test_transfer import BACKENDS, pd_pair, wait_state
 
 F, S = "full_attention", "sliding_attention"
@@ -151,13 +151,7 @@ def test_a_host_entry_of_a_hybrid_pool_moves_with_its_window(memsvc_factory, tmp
                     np.testing.assert_array_equal(got, want_swa[pos])
                 else:
                     assert np.isnan(got).all()
-            a.host_discard("r")
-            a.free_row("keep")
-            a.pd_forget([12])
-            b.pd_forget([12])
-            b.free_row("r")
-            a.check(idle=True)
-            b.check(idle=True)
+            end_host_move(a, b, 12)
         finally:
             a_kv.close()
             b_kv.close()

@@ -103,6 +103,20 @@ class Node:
         if finished:
             self.done[req.rid] = req
 
+    def front(self) -> SchedulerService:
+        """The service in front of this node's engine (its socket never bound): what a
+        client's messages meet, and the adopted requests' waiters."""
+        return SchedulerService(
+            self.engine,
+            "ipc:///nonexistent",
+            tokenizer=ByteTokenizer(),
+            capacity=256,
+            page_size=PAGE,
+            max_context_len=512,
+            vocab_size=256,
+            recovery=self.recovery,
+        )
+
     def submit_all(self) -> None:
         for rid, prompt in PROMPTS.items():
             params = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
@@ -129,6 +143,15 @@ class Node:
                 await task
             return
         raise AssertionError("no step got stuck")
+
+
+async def successor(service: MemService, tmp_path: Path) -> Node:
+    """A node that adopted a first one's session: the first died in its 4th decode step
+    with every request of :data:`PROMPTS` submitted."""
+    first = await Node(service, tmp_path / "session").start(stall_at=4)
+    first.submit_all()
+    await first.die_in_step()
+    return await Node(service, tmp_path / "session").start()
 
 
 def assert_exact(done: dict[str, Req]) -> None:
@@ -200,20 +223,8 @@ def test_unclaimed_adopted_requests_end_with_an_error(service, tmp_path) -> None
     """No client re-attaches within the grace period: explicit error, KV released."""
 
     async def scenario() -> None:
-        first = await Node(service, tmp_path / "session").start(stall_at=4)
-        first.submit_all()
-        await first.die_in_step()
-        second = await Node(service, tmp_path / "session").start()
-        front = SchedulerService(
-            second.engine,
-            "ipc:///nonexistent",
-            tokenizer=ByteTokenizer(),
-            capacity=256,
-            page_size=PAGE,
-            max_context_len=512,
-            vocab_size=256,
-            recovery=second.recovery,
-        )
+        second = await successor(service, tmp_path)
+        front = second.front()
         assert set(front._waiters) == set(PROMPTS)
         assert all(w.identity is None for w in front._waiters.values())
         front.reattach.since -= front.reattach.grace_s + 1
@@ -242,16 +253,7 @@ def test_adopted_requests_keep_their_sampling_and_stop_strings(service, tmp_path
         first.engine.submit(Req("s0", PROMPTS["r3"], params, priority=2, namespace="a" * 32))
         await first.die_in_step()
         second = await Node(service, tmp_path / "session").start()
-        front = SchedulerService(
-            second.engine,
-            "ipc:///nonexistent",
-            tokenizer=ByteTokenizer(),
-            capacity=256,
-            page_size=PAGE,
-            max_context_len=512,
-            vocab_size=256,
-            recovery=second.recovery,
-        )
+        front = second.front()
         req = second.engine.reqs["s0"]
         assert req.sampling_params == params
         assert (req.priority, req.namespace) == (2, "a" * 32)
@@ -335,20 +337,8 @@ def test_adopted_answers_only_for_the_owning_client(service, tmp_path) -> None:
     query is refused. Nothing changes."""
 
     async def scenario() -> None:
-        first = await Node(service, tmp_path / "session").start(stall_at=4)
-        first.submit_all()
-        await first.die_in_step()
-        second = await Node(service, tmp_path / "session").start()
-        front = SchedulerService(
-            second.engine,
-            "ipc:///nonexistent",
-            tokenizer=ByteTokenizer(),
-            capacity=256,
-            page_size=PAGE,
-            max_context_len=512,
-            vocab_size=256,
-            recovery=second.recovery,
-        )
+        second = await successor(service, tmp_path)
+        front = second.front()
         with_kv = set(PROMPTS) - set(front.reattach.adopted.parked)
         assert with_kv, "the first node died holding no KV"
         rids = [*PROMPTS, "never-seen"]
