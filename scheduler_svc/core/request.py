@@ -124,6 +124,8 @@ class Req:
     # Running: memsvc already holds the slot of its next decode position (the overlap
     # schedule reserved it while the last step ran). Cleared by a retract.
     slot_reserved: bool = field(default=False, init=False)
+    # PD decode: moved here from another decode node, which relays its replies.
+    moved_in: bool = field(default=False, init=False)
     # Sticky accounting.
     retraction_count: int = field(default=0, init=False)
     retracted_stain: bool = field(default=False, init=False)
@@ -376,6 +378,7 @@ class Req:
             self.state is ReqState.WAITING and bool(self.output_ids), target, "nothing to migrate"
         )
         self._move(target)
+        self.moved_in = True
         self.retraction_count, self.retracted_stain = retractions, True
         self.cached_tokens = cached_tokens
         self.first_scheduled_time = self.first_token_time = time.monotonic()

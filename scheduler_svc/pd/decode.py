@@ -385,14 +385,19 @@ class DecodeEngine(Engine):
 
     def adoptable(self) -> Callable[[Req], bool]:
         """A request whose KV arrived and stays here: running, or retracted to the host
-        store and not moving to the peer (a successor could not tell where it went)."""
+        store, and not moving to the peer (a successor could not tell where it went).
+        Not one moved here from another node: that node relays its replies, and ends it
+        when this node's scheduler dies."""
         moving = {id(r) for r in self.migrating.values()}
-        return lambda req: (
-            id(req) not in moving
-            and (
-                req.state is ReqState.RUNNING or (req.host_copy and req.state is ReqState.RETRACTED)
+
+        def adoptable(req: Req) -> bool:
+            if id(req) in moving or req.moved_in:
+                return False
+            return req.state is ReqState.RUNNING or (
+                req.host_copy and req.state is ReqState.RETRACTED
             )
-        )
+
+        return adoptable
 
     def adopt_from_host(self, reqs: list[Req]) -> None:
         """They wait in the retracted queue, to be loaded back as any victim."""

@@ -19,7 +19,7 @@ import pytest
 from kvstack.sim.worker import expected_output
 from memsvc.handlers import MemService
 from scheduler_svc.adopt import Journal, Owner
-from scheduler_svc.core import Req
+from scheduler_svc.core import Req, SamplingParams
 from tests.helpers import pool_service
 from tests.pd.decode_harness import DecodeNode
 
@@ -168,3 +168,37 @@ def test_a_draining_node_sends_running_requests_from_their_rows(pool: MemService
     assert not any(kwargs.get("from_host") for _, kwargs in sends)
     assert offloads == [] and node.engine.stats.retracted_reqs == 0
     assert node.engine.stats.migrate_failed == len(sends)
+
+
+def test_a_request_moved_here_is_never_recorded(pool: MemService) -> None:
+    """The journal leaves out a request another decode node moved here: that node relays
+    its replies (and ends it if this scheduler dies), so a successor here must not
+    decode it for nobody. A local request beside it is recorded; both end exact."""
+    prompts = {rid: [(k + 7) * (j + 1) % 241 + 1 for j in range(30)] for k, rid in enumerate("lm")}
+    recorded: set[str] = set()
+
+    async def scenario() -> DecodeNode:
+        node = await DecodeNode(pool, num_reserved_decode_tokens=4).start()
+        node.engine.journal = Journal(owner_of=lambda rid: Owner("c", "fp-" + rid, True))
+        node.submit("l", prompts["l"], 12)
+        draw = {"temperature": 0.0}
+        moved = Req("m", prompts["m"], SamplingParams(max_new_tokens=12, draw=draw))
+        moved.output_ids = expected_output(prompts["m"], 12)[:3]  # made on the other node
+        moved.bootstrap_room = 99
+        moved.arrive_migrated(retractions=1, cached_tokens=0)
+        node.reqs["m"] = moved
+        node.engine.accept_migrated(moved)
+
+        def before_step(i: int) -> None:
+            node.release()
+            recorded.update(rid for j in pool.journals._by_session.values() for rid in j.records)
+
+        await node.run(before_step=before_step)
+        for rid, prompt in prompts.items():
+            assert node.done[rid].output_ids == expected_output(prompt, 12), rid
+        pool.pool.check_integrity(idle=True)
+        return node
+
+    node = asyncio.run(scenario())
+    assert node.engine.stats.migrated_in_reqs == 1
+    assert recorded == {"l"}, recorded
