@@ -2,9 +2,9 @@
 
 The node is a PD decode scheduler started with ``--migrate-to`` (another decode
 node). Draining is its SIGTERM (scheduler_svc.pd.migrate): it takes no new
-request, parks each running one in its memsvc's host store and moves every
-parked one to the peer as the peer has room, relays their replies, and exits
-once the last one ended. This command finds the node's process from its
+request, sends each running one to the peer straight from its pool pages (and
+each retracted one from its memsvc's host store) as the peer has room, relays
+their replies, and exits once the last one ended. This command finds the node's process from its
 ``info`` (so it must run on the node's host, as a user allowed to signal it:
 the operating system decides who may drain, not the socket), sends the signal,
 and reports the node's queues until it is gone.
