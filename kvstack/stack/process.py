@@ -214,21 +214,11 @@ def await_service(starting: Starting) -> Service:
     return Service(starting.name, proc, starting.address, info, starting.log_path)
 
 
-def start_service(
-    workdir: Path,
-    module: str,
-    *args: str,
-    name: str | None = None,
-    address: str | None = None,
-    timeout: float = READY_TIMEOUT_S,
-    env: dict[str, str] | None = None,
-) -> Service:
-    """``python -m module --listen ADDRESS --ready-file F *args``, returned once it serves.
+def start_service(workdir: Path, module: str, *args: str, **options: Any) -> Service:
+    """``python -m module --listen ADDRESS --ready-file F *args``, returned once it serves
+    (``options``: :func:`spawn_service`'s).
 
-    Raises :class:`LaunchError` if it exits first, or is not serving after ``timeout``
-    seconds (then it is killed); either way its leftover segments are unlinked.
+    Raises :class:`LaunchError` if it exits first, or is not serving after its ``timeout``
+    (then it is killed); either way its leftover segments are unlinked.
     """
-    starting = spawn_service(
-        workdir, module, *args, name=name, address=address, timeout=timeout, env=env
-    )
-    return await_service(starting)
+    return await_service(spawn_service(workdir, module, *args, **options))
