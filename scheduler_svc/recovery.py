@@ -189,8 +189,9 @@ class Recovery:
         adopted = adopt.rebuild(self.engine, reply)
         self.adopted = adopted
         await self.engine.journal.close(self.engine, adopted.dropped)
+        taken = len(reply["records"]) - len(adopted.dropped)
         stats = self.stats
-        stats.adopted_reqs += len(reply["records"]) - len(adopted.dropped)
+        stats.adopted_reqs += taken
         stats.adopted_kv_tokens += adopted.kv_tokens
         stats.discarded_step_tokens += adopted.trimmed_tokens
         stats.reprefilled_tokens += adopted.freed_tokens
@@ -198,7 +199,7 @@ class Recovery:
             "adopted the previous scheduler's session: %d requests (%d decoding on, %d in the "
             "host store, %d waiting for their client), %d KV tokens kept, %d freed; %d left "
             "to the router",
-            len(reply["records"]) - len(adopted.dropped),
+            taken,
             adopted.running,
             adopted.from_host,
             len(adopted.parked),

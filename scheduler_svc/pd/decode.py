@@ -54,7 +54,6 @@ class DecodeEngine(Engine):
         self.migrating: dict[int, Req] = {}
         self.migrate_always = False  # --migrate-policy always: no cost model
         self._moving_since: dict[int, float] = {}  # room -> when its send started
-        self._from_row: set[int] = set()  # moves sent from a running request's row
         self.draining = False  # every request moves to the peer (SIGTERM with a peer)
         self.on_migrated: Callable[[Req], None] = lambda req: None
         # Moved here from another node, their KV on its way: rid -> when they give up on it.
@@ -294,8 +293,6 @@ class DecodeEngine(Engine):
             del self.migrating[room]
             self.migration = None
             return False
-        if not from_host:
-            self._from_row.add(room)
         self._moving_since[room] = time.perf_counter()
         await self.migration.hand_over(req, room)
         self._event("migrate", req)
@@ -331,8 +328,7 @@ class DecodeEngine(Engine):
         for report in done:
             req = self.migrating.pop(report["room"])
             started = self._moving_since.pop(report["room"], None)
-            from_row = report["room"] in self._from_row
-            self._from_row.discard(report["room"])
+            from_row = req.state is ReqState.RUNNING  # sent from its row (draining)
             if report["state"] == KVPoll.FAILED:
                 log.warning("request %s did not move: %s", req.rid, report["why"])
                 self.stats.migrate_failed += 1
@@ -575,7 +571,6 @@ class DecodeEngine(Engine):
                 self.migration.finished(req.rid)
         self.migrating.clear()
         self._moving_since.clear()
-        self._from_row.clear()
         self.running.clear()
         self.transfer.clear()
         self.retracted.clear()
@@ -591,7 +586,6 @@ class DecodeEngine(Engine):
         if moving is not None:  # its send is cancelled; its row or host copy goes below
             del self.migrating[moving]
             self._moving_since.pop(moving, None)
-            self._from_row.discard(moving)
             if self.migration is not None:
                 await self.migration.cancel(req.rid)
             await self.mem.pd_forget([moving])
