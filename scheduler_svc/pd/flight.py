@@ -38,6 +38,7 @@ class Flight:
     prefill_rids: list[str] = field(default_factory=list)  # its names on the prefill node
     current: int | None = None  # the prefill op whose KV the decode node still waits for
     commit_mark: int = 0  # a decode chunk past this many tokens: that KV arrived
+    prefill_sent: float = 0.0  # time.monotonic() of the last prefill request sent
     seen: int = 0  # output tokens the decode node has streamed
     prefill_error: dict[str, Any] | None = None
     resends: int = 0

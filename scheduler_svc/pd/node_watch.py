@@ -40,12 +40,18 @@ class NodeWatch:
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
             router.spawn(self._ping("prefill", router.prefill, self._prefill_restarted))
-            silent = time.monotonic() - router.prefill_seen
+            now = time.monotonic()
+            silent = now - router.prefill_seen
             if silent < router.prefill_timeout_s:
                 continue
             for flight in list(router.flights.values()):
+                # waited as long itself: one sent just now (a restarted prefill node may
+                # not have answered a ping yet) is not failed for the node's old silence
+                waited = now - max(router.prefill_seen, flight.prefill_sent)
+                if waited < router.prefill_timeout_s:
+                    continue
                 if flight.current is not None and flight.prefill_error is None:
-                    why = f"prefill node unreachable for {silent:.0f}s"
+                    why = f"prefill node unreachable for {waited:.0f}s"
                     await router.replies.prefill_failed(
                         flight, error_header("prefill_unreachable", why, 500)
                     )

@@ -246,6 +246,7 @@ class Router:
         if header["rid"] not in flight.prefill_rids:
             flight.prefill_rids.append(header["rid"])
         flight.current, flight.commit_mark = op, commit_mark
+        flight.prefill_sent = time.monotonic()
         self.by_prefill_op[op] = flight
         await self.prefill.send_multipart(wire.pack({**header, "op_id": op}, arrays))
 
