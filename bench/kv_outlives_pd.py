@@ -8,9 +8,10 @@ moves to the peer with its KV: ``migration_bytes``, ``migration_s`` (its
 stream's stall: the park, the send, the peer's preallocation and first step),
 ``migration_vs_reprefill`` (that over one prefill of its prompt on the prefill
 node); then a node holding ``--drain-requests`` requests (16) drained the same
-way: ``drain_moved_reqs``, ``drain_s`` (until it stopped: its last relayed
-request's end), the tokens prefilled again (``*_reprefilled_tokens``) and
-token identity with the untouched run.
+way: ``drain_moved_reqs``, ``drain_moves_followed`` (those the router
+re-submitted to the peer, streaming from there), ``drain_s`` (until it
+stopped: once the last request moved, not once it ended), the tokens prefilled
+again (``*_reprefilled_tokens``) and token identity with the untouched run.
 
 The skew part (``--parts skew``): ``--skew-requests`` greedy requests (24) of
 ``--skew-prompt-len`` tokens (256), ``--skew-max-new`` new tokens each (96), at
@@ -100,6 +101,8 @@ def drain_run(
         asyncio.run(moved.serve(address, drain))
         with GenerateClient(nodes["scheduler-d2"].address) as client:
             d2 = client.info()["stats"]
+        with GenerateClient(address) as client:  # (D1 is gone: a 503 with its own figures)
+            followed = int(client.info()["router"]["moves_followed"])
         with GenerateClient(nodes["scheduler-p"].address) as client:
             prefilled = int(client.info()["stats"]["prefill_tokens"])
         with MemClient(nodes["memsvc-d"].address) as mem:  # what D1 sent (to D2 only)
@@ -111,6 +114,7 @@ def drain_run(
         "reference_s": round(reference_s, 2),
         "prefill_s": prefill_s,
         "moved_reqs": int(d2["migrated_in_reqs"]),
+        "moves_followed": followed,
         "moved_bytes": moved_bytes,
         "stall_s": next_token_s(moved.arrivals[drained["arrivals"] :], drained["at"]),
         "drain_s": round(drained["stopped"] - drained["at"], 3),
@@ -150,6 +154,7 @@ def measure_moves(args: argparse.Namespace) -> dict[str, Any]:
         "migration_outputs_identical": move["outputs_identical"],
         "drain_requests": args.drain_requests,
         "drain_moved_reqs": drain["moved_reqs"],
+        "drain_moves_followed": drain["moves_followed"],
         "drain_s": drain["drain_s"],
         "drain_stall_s": drain["stall_s"],
         "drain_reprefilled_tokens": drain["reprefilled_tokens"],

@@ -3,11 +3,13 @@
 The node is a PD decode scheduler started with ``--migrate-to`` (another decode
 node). Draining is its SIGTERM (scheduler_svc.pd.migrate): it takes no new
 request, sends each running one to the peer straight from its pool pages (and
-each retracted one from its memsvc's host store) as the peer has room, relays
-their replies, and exits once the last one ended. This command finds the node's process from its
-``info`` (so it must run on the node's host, as a user allowed to signal it:
-the operating system decides who may drain, not the socket), sends the signal,
-and reports the node's queues until it is gone.
+each retracted one from its memsvc's host store) as the peer has room, and
+exits once all moved: the PD router follows each to the peer (a client that
+does not follow moves is relayed to until its request ended there). This
+command finds the node's process from its ``info`` (so it must run on the
+node's host, as a user allowed to signal it: the operating system decides who
+may drain, not the socket), sends the signal, and reports the node's queues
+until it is gone.
 """
 
 from __future__ import annotations

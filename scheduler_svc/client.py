@@ -378,10 +378,12 @@ class AsyncGenerateClient(
         finally:
             del self._inbox[op_id]
 
-    async def abort(self, rid: str) -> bool:
+    async def abort(self, rid: str, *, as_client: str | None = None) -> bool:
         """Abort ``rid``; True if it was still running or waiting. Another client's rid
-        raises :class:`GenerateError` (``not_owner``)."""
-        return found(await self._call({"op": "abort", "rid": rid, "client": self.client_id}))
+        raises :class:`GenerateError` (``not_owner``). ``as_client``: the owner's id, for
+        a node that passes its client's abort on (a moved request's)."""
+        header = {"op": "abort", "rid": rid, "client": as_client or self.client_id}
+        return found(await self._call(header))
 
     async def open_call(
         self, header: dict[str, Any], arrays: dict[str, Any] | None = None

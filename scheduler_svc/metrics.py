@@ -126,6 +126,14 @@ class _Collector:
                 "migrated_from_row_reqs",
                 "Of those, running requests sent straight from their pool pages (draining)",
             ),
+            (
+                "migrated_handed_off_reqs",
+                "Of those, requests whose client was told where they moved (not relayed)",
+            ),
+            (
+                "migrated_handed_off_reqs",
+                "Of those, requests whose client was told where they moved (not relayed)",
+            ),
             ("migrated_out_tokens", "KV tokens of the requests moved to the peer"),
             ("migrate_failed", "Moves to the peer that failed (the request stayed here)"),
             ("migrated_in_reqs", "Requests another decode node moved here"),

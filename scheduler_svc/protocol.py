@@ -124,6 +124,10 @@ class Generate(Message):
     bootstrap_rid: str | None = Field(default=None, min_length=1, max_length=256)
     # PD behind SGLang's router (prefill node): the decode memsvc's transfer socket.
     bootstrap_peer: str | None = Field(default=None, min_length=1, max_length=512)
+    # PD router (decode node): when the request moves to another decode node, answer
+    # ``moved`` (that node's address) instead of relaying its replies; the sender then
+    # re-submits it there (scheduler_svc.pd.migrate).
+    follow_moves: bool = False
     # Which cached KV the request may share (see the module docstring).
     cache_salt: CacheKey | None = None
     extra_key: CacheKey | None = None
@@ -153,7 +157,8 @@ class MigrateIn(Message):
     with ``output_ids`` generated so far. Its KV (prompt and all but the last output
     token) arrives from the sender's memsvc into ``room``; the request then decodes
     on here, and its replies (streamed from the first new token) go to the sender,
-    which relays them to the request's client."""
+    which relays them to the request's client, or tells that client where it moved
+    (``follow_moves``), which then re-submits it here."""
 
     op: Literal["migrate_in"]
     rid: Rid
@@ -166,6 +171,10 @@ class MigrateIn(Message):
     room: int = Field(ge=0, lt=2**63)
     retractions: int = Field(default=0, ge=0, lt=2**31)
     cached_tokens: int = Field(default=0, ge=0, lt=2**63)
+    # The request's own client and fingerprint on the sender: a re-submission by that
+    # client (a router following the move) attaches here, and its abort ends it.
+    owner: ClientId | None = None
+    fingerprint: str | None = Field(default=None, max_length=64)
     # what intake's checks read of a generate: a moved request returns no logprobs
     return_logprob: Literal[False] = False
     logprob_start_len: Literal[-1] = -1

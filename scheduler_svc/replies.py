@@ -30,6 +30,9 @@ class Waiter:
     client: str = ""  # the client that owns the rid: only it may re-submit or abort it
     # max_new_tokens 0 with prompt logprobs (scoring): one token is run, none returned.
     scoring: bool = False
+    # Told ``moved`` (the peer's address) when the request moves to another decode node,
+    # rather than relayed its replies (scheduler_svc.pd.migrate).
+    follow_moves: bool = False
 
 
 def chunk_header(req: Req, waiter: Waiter, now: float) -> dict[str, Any] | None:

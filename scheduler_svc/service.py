@@ -129,6 +129,8 @@ class SchedulerService(MovedRequests):
         if mode == "decode":
             engine.on_rebootstrap = self._rebootstrap
             engine.on_migrated = self._relay
+            if getattr(engine, "migration", None) is not None:
+                engine.migration.owner_of = self._owner_of
         self._relays: set[asyncio.Task] = set()  # moved requests' replies, relayed
 
     async def run(self) -> None:
@@ -297,8 +299,6 @@ class SchedulerService(MovedRequests):
         else:
             input_ids = self.tokenizer.encode(msg.text)
         digest = fingerprint(input_ids, msg)
-        if self.draining:
-            return error_reply(msg.op_id, "unavailable", DRAINING, 503)
         if self.mode != "normal" and msg.bootstrap_room is None:
             return error_reply(
                 msg.op_id,
@@ -310,7 +310,13 @@ class SchedulerService(MovedRequests):
             return self._attach(identity, msg, self._waiters[msg.rid], digest)
         cached = self._finished.get(msg.rid)
         if cached is not None and cached[:2] == (msg.client, digest):
-            return wire.pack({**wire.unpack([cached[2]]), "op_id": msg.op_id})
+            header = wire.unpack([cached[2]])
+            if header.get("type") == "moved" and not msg.follow_moves:
+                message = f"request {msg.rid!r} moved to decode node {header['peer']}"
+                return error_reply(msg.op_id, "moved", message, 409)
+            return wire.pack({**header, "op_id": msg.op_id})
+        if self.draining:  # live and finished requests are still answered
+            return error_reply(msg.op_id, "unavailable", DRAINING, 503)
         refused = self._refusal(input_ids, msg)
         if refused is not None:
             return refused
@@ -334,6 +340,7 @@ class SchedulerService(MovedRequests):
             fingerprint=digest,
             client=msg.client,
             scoring=scoring,
+            follow_moves=msg.follow_moves,
         )
         self.engine.submit(req)
         return None
@@ -397,6 +404,7 @@ class SchedulerService(MovedRequests):
             msg.stream,
             0,
         )
+        waiter.follow_moves = msg.follow_moves
         if self.reattach is not None and self.reattach.waiting_for_client(msg.rid):
             parked = self.reattach.attached(msg.rid)
             if parked is not None:  # adopted without KV: it runs now its client is back

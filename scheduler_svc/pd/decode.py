@@ -71,6 +71,7 @@ class DecodeEngine(Engine):
             "migrate_failed",
             "migrated_in_reqs",
             "migrated_from_row_reqs",
+            "migrated_handed_off_reqs",
             "migrate_waited_steps",
         ):
             setattr(self.stats, name, 0)

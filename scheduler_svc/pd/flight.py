@@ -33,6 +33,7 @@ class Flight:
     fingerprint: str = ""  # input + sampling + priority: a re-submission must match it
     prompt_len: int | None = None
     decode_op: int = 0
+    decode_address: str = ""  # the decode node that holds it ("": the router's --decode)
     # prefill requests not answered yet: op -> (header, arrays), to re-send or abort
     prefill_ops: dict[int, tuple[dict[str, Any], Any]] = field(default_factory=dict)
     prefill_rids: list[str] = field(default_factory=list)  # its names on the prefill node

@@ -13,7 +13,9 @@ instead, when that node says it has room::
     scheduler-D1 ── migrate_in(rid, prompt, outputs, sampling, room) ─► scheduler-D2
                     D2 preallocates the KV's pages, expects the room, and once
                     they are written decodes on from the last token
-    scheduler-D1 ◄─ chunks, then done ── (relayed to the request's client)
+    router ◄─ moved(D2) ── scheduler-D1     (a client that follows moves: the router)
+    router ── generate (same rid) ─► scheduler-D2, which streams to it from then on
+    (any other client: scheduler-D1 relays D2's chunks, then done, to it)
 
 Nothing is computed again: the KV D2 receives is the host copy D1 made at the
 retract, and D2 continues from the same tokens, so greedy and seeded outputs
@@ -21,7 +23,8 @@ are those of a run without the move. Until memsvc-D1 reports the room a
 success, the request is D1's: a failed or refused move puts it back at the
 head of D1's retracted queue with its host copy, as if nothing happened
 (D2's side of the room fails and frees its pages). After it, D1 drops the host
-copy and keeps only the relay: the client's stream stays where it is.
+copy, and either tells the client where the request went (``moved``) or keeps
+only the relay (scheduler_svc.pd.moved).
 
 The policy: move the head of the retracted queue (the request waiting
 longest) when it cannot resume here this step, moving it beats waiting here
@@ -41,12 +44,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from memsvc.curve import CurveClientKeys
+from scheduler_svc.adopt import Owner
 from scheduler_svc.client import AsyncGenerateClient
 from scheduler_svc.core import Req
 from scheduler_svc.core.sampling import SamplingParams
@@ -88,6 +93,7 @@ class Relay:
     tokens: list[int]
     held: list[dict[str, Any] | None] = field(default_factory=list)  # read before the commit
     started: float = field(default_factory=time.monotonic)
+    owner: str | None = None  # the request's client, which owns it on the peer
 
     async def next_reply(self) -> dict[str, Any] | None:
         """The peer's next reply for the request (None: the connection dropped)."""
@@ -105,6 +111,9 @@ class MigrationPeer:
         self.address = address
         self.client = AsyncGenerateClient(address, timeout_s=timeout_s, curve=curve)
         self.relays: dict[str, Relay] = {}
+        # A request's client and fingerprint here (the service's; None: not known): the
+        # peer lets that client re-submit or abort the moved request.
+        self.owner_of: Callable[[str], Owner | None] = lambda rid: None
         self._info: dict[str, Any] | None = None
         self._info_at = 0.0  # when the figures in hand arrived
         self._next_ask = 0.0  # no ask before then
@@ -161,12 +170,16 @@ class MigrationPeer:
             "retractions": req.retraction_count,
             "cached_tokens": req.cached_tokens,
         }
+        owner = self.owner_of(req.rid)
+        if owner is not None:
+            header.update(owner=owner.client, fingerprint=owner.fingerprint)
         arrays = {
             "input_ids": np.asarray(req.origin_input_ids, dtype=np.int64),
             "output_ids": np.asarray(req.output_ids, dtype=np.int64),
         }
         op_id, queue = await self.client.open_call(header, arrays)
-        self.relays[req.rid] = Relay(req.rid, op_id, queue, list(req.output_ids))
+        owner = header.get("owner")
+        self.relays[req.rid] = Relay(req.rid, op_id, queue, list(req.output_ids), owner=owner)
 
     def refused(self, rid: str) -> str | None:
         """Why the peer will not take ``rid`` (it answered with an error, or its
@@ -193,16 +206,21 @@ class MigrationPeer:
         if relay is None:
             return
         self.client.close_call(relay.op_id)
-        with contextlib.suppress(Exception):  # the peer may never have seen it
-            await asyncio.wait_for(self.client.abort(rid), INFO_TIMEOUT_S)
+        await self._abort_there(relay)  # the peer may never have seen it
 
     async def abort(self, rid: str) -> bool:
         """The client aborts a moved request: the peer ends it (its done is relayed)."""
-        if rid not in self.relays:
+        relay = self.relays.get(rid)
+        if relay is None:
             return False
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.abort(rid), INFO_TIMEOUT_S)
+        await self._abort_there(relay)
         return True
+
+    async def _abort_there(self, relay: Relay) -> None:
+        """Abort the request on the peer, as its owner there (best effort)."""
+        abort = self.client.abort(relay.rid, as_client=relay.owner)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(abort, INFO_TIMEOUT_S)
 
     def finished(self, rid: str) -> None:
         relay = self.relays.pop(rid, None)

@@ -7,6 +7,13 @@ from, one relay task per moved request forwards the peer's replies to the
 request's client, keeping the stream's offsets (the peer streams from the first
 token it generates), and caches the result as any other. A client's ``abort``
 of a moved request goes to the peer, whose ``done`` is relayed.
+
+A client that asked to follow moves (``follow_moves``: the PD router) is not
+relayed to: it gets a ``moved`` reply naming the peer and re-submits the request
+there, where it attaches to the moved request (same client and fingerprint,
+carried by ``migrate_in``) and the stream restarts at offset 0. This node then
+holds nothing of it, and the ``moved`` reply stays in the result cache for a
+re-submission here.
 """
 
 from __future__ import annotations
@@ -85,8 +92,9 @@ class MovedRequests:
             True,
             time.monotonic(),
             sent=len(output_ids),  # the sender has those: stream from the first new one
-            fingerprint=f"migrated:{msg.room}",
-            client=msg.client,
+            # the request's own client may re-submit (follow the move) or abort it here
+            fingerprint=msg.fingerprint or f"migrated:{msg.room}",
+            client=msg.owner or msg.client,
         )
         self.engine.accept_migrated(req)
         return None
@@ -99,8 +107,23 @@ class MovedRequests:
         task.add_done_callback(self._relays.discard)
 
     def _relay(self, req: Req) -> None:
-        """``req`` moved to the peer decode node: its replies are relayed from now on."""
-        self._spawn(self._forward(req.rid))
+        """``req`` moved to the peer decode node: a client that follows moves is told where
+        (it re-submits the request there); any other one has its replies relayed."""
+        waiter = self._waiters.get(req.rid)
+        migration = self.engine.migration
+        if waiter is None or not waiter.follow_moves or migration is None:
+            self._spawn(self._forward(req.rid))
+            return
+        del self._waiters[req.rid]
+        migration.finished(req.rid)  # what the peer still sends for it here is dropped
+        self.engine.stats.migrated_handed_off_reqs += 1
+        header = {"ok": True, "type": "moved", "rid": req.rid, "peer": migration.address}
+        # kept as its result: the same client re-submitting it here is told again
+        (packed,) = wire.pack(header)
+        self._finished.put(req.rid, (waiter.client, waiter.fingerprint, packed), len(packed))
+        if waiter.identity is not None:
+            reply = wire.pack({**header, "op_id": waiter.op_id})
+            self._outbox.put_nowait([waiter.identity, *reply])
 
     async def _forward(self, rid: str) -> None:
         """The peer's replies for ``rid`` to the request's client: the stream keeps its

@@ -12,19 +12,24 @@ restarted prefill node.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+import zmq.asyncio
 
 from memsvc import protocol as wire
 from scheduler_svc.engine import seed_from_rid
-from scheduler_svc.pd.flight import Flight, is_abort, unpack_reply
+from scheduler_svc.pd.flight import Flight, error_header, is_abort, unpack_reply
 
 if TYPE_CHECKING:
     from scheduler_svc.pd.router import Router
 
+log = logging.getLogger("scheduler_svc.pd.router")
+
 MAX_DECODE_RESENDS = 3  # a generate the decode node calls malformed (damaged on the way)
+ENDPOINTS = ("tcp://", "ipc://")  # where a decode node may say a request moved
 
 
 class NodeReplies:
@@ -35,10 +40,11 @@ class NodeReplies:
 
     # -- decode node -------------------------------------------------------------------
 
-    async def from_decode(self) -> None:
+    async def from_decode(self, address: str, sock: zmq.asyncio.Socket) -> None:
+        """The replies of the decode node at ``address``."""
         router = self.router
         while True:
-            header = unpack_reply(await router.decode.recv_multipart(), "decode")
+            header = unpack_reply(await sock.recv_multipart(), f"decode node {address}")
             if header is None or router.answered(header):
                 continue
             flight = router.by_decode_op.get(header.get("op_id"))
@@ -47,6 +53,9 @@ class NodeReplies:
             kind = header.get("type")
             if kind == "rebootstrap":
                 await self._rebootstrap(flight, header)
+                continue
+            if kind == "moved" and header.get("ok"):
+                await self._follow(flight, header)
                 continue
             ok = header.get("ok")
             if not ok and header.get("code") == "malformed" and flight.resends < MAX_DECODE_RESENDS:
@@ -63,6 +72,25 @@ class NodeReplies:
                 if flight.prefill_error is not None and is_abort(header):
                     header = flight.prefill_error  # say why the prefill side failed
             await router.reply(flight.identity, wire.pack({**header, "op_id": flight.op_id}))
+
+    async def _follow(self, flight: Flight, header: dict) -> None:
+        """The decode node moved the request to its peer with its KV: re-submit it there,
+        where it attaches to the moved request (the stream restarts at offset 0; the
+        client drops what it already has). A peer address that is not a ZMQ endpoint
+        fails the request (502)."""
+        peer = header.get("peer")
+        router = self.router
+        if not (isinstance(peer, str) and peer.startswith(ENDPOINTS) and len(peer) < 512):
+            why = f"the decode node moved request {flight.rid!r} to a bad address {peer!r}"
+            log.error("%s", why)
+            await router.end(flight)
+            error = {**error_header("moved", why, 502), "op_id": flight.op_id}
+            await router.reply(flight.identity, wire.pack(error))
+            return
+        router.stats["moves_followed"] += 1
+        flight.decode_address = peer
+        router.decode_node(peer)
+        await router.send_decode(flight)
 
     async def _rebootstrap(self, flight: Flight, header: dict) -> None:
         """The decode node re-prefills a victim through us: origin + output[:-1], one token.
@@ -147,7 +175,8 @@ class NodeReplies:
             }
         flight.prefill_error = header
         abort = {"op": "abort", "rid": flight.rid, "client": flight.client}
-        await router.decode.send_multipart(wire.pack({**abort, "op_id": router.next_op()}))
+        frames = wire.pack({**abort, "op_id": router.next_op()})
+        await router.decode_of(flight).send_multipart(frames)
 
     async def prefill_again(self, flight: Flight) -> None:
         """The prompt once more, under a new name on the prefill node (its first token seeded)."""

@@ -1,6 +1,7 @@
-"""The router's watch over its two nodes: a silent prefill node, and a restarted scheduler.
+"""The router's watch over its nodes: a silent prefill node, and a restarted scheduler.
 
-Every ``PING_INTERVAL_S`` the router asks each node's scheduler for ``info``.
+Every ``PING_INTERVAL_S`` the router asks each node's scheduler for ``info``
+(the decode nodes: its own, and each peer a request moved to).
 A prefill node silent for ``--prefill-timeout`` seconds fails the requests
 that wait on it. A node that answers with a new pid was restarted and lost
 what it ran, so it is caught up: a prefill scheduler gets the prefill requests
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import zmq.asyncio
@@ -32,7 +34,8 @@ class NodeWatch:
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.pids: dict[str, int | None] = {"prefill": None, "decode": None}  # who answers
+        # who answers: "prefill", and each decode node by address
+        self.pids: dict[str, int | None] = {"prefill": None}
 
     async def watch_prefill(self) -> None:
         """Ping the prefill node; if it stays silent, fail what waits on it."""
@@ -57,10 +60,13 @@ class NodeWatch:
                     )
 
     async def watch_decode(self) -> None:
+        """Ping each decode node: the router's, and those its requests moved to."""
         router = self.router
         while True:
             await asyncio.sleep(PING_INTERVAL_S)
-            router.spawn(self._ping("decode", router.decode, self._decode_restarted))
+            for address, sock in list(router.decode_nodes.items()):
+                restarted = partial(self._decode_restarted, address)
+                router.spawn(self._ping(address, sock, restarted))
 
     async def _ping(self, node: str, sock: zmq.asyncio.Socket, on_restart) -> None:
         """``info``; a new scheduler process answering (a new pid) means the old one died.
@@ -74,7 +80,7 @@ class NodeWatch:
         pid = info.get("pid") if info and info.get("ok") else None
         if pid is None:
             return
-        known, self.pids[node] = self.pids[node], pid
+        known, self.pids[node] = self.pids.get(node), pid
         if known is not None and known != pid:
             await on_restart()
 
@@ -101,10 +107,11 @@ class NodeWatch:
         router.stats["prefill_resends"] += resent
         log.warning("prefill scheduler restarted: %d requests sent to it again", resent)
 
-    async def _decode_restarted(self) -> None:
-        """The decode scheduler was restarted: reattach what it adopted, start over the rest.
+    async def _decode_restarted(self, address: str) -> None:
+        """The decode scheduler at ``address`` was restarted: reattach what it adopted,
+        start over the rest.
 
-        Each live request goes to the new decode scheduler again (under its own
+        Each live request it held goes to the new decode scheduler again (under its own
         room; the stream restarts at offset 0 and clients drop what they already
         have). One the new scheduler adopted from its predecessor with its KV
         (:mod:`scheduler_svc.adopt`; asked with ``adopted``) decodes on from
@@ -112,12 +119,13 @@ class NodeWatch:
         for it is aborted. Every other one has its prompt prefilled again under a
         new name on the prefill node, once that node has answered the prefill it
         still runs for the room (that one may deliver to the new decode scheduler
-        instead, or fail: either way the new prefill follows). Re-bootstraps for
-        the old scheduler's rooms are aborted.
+        instead, or fail: either way the new prefill follows), on the router's own
+        decode node (the one the prefill node sends KV to), also when it had moved
+        to a peer. Re-bootstraps for the old scheduler's rooms are aborted.
         """
         router = self.router
-        flights = list(router.flights.values())
-        adopted = await self._adopted(flights)
+        flights = [f for f in router.flights.values() if f.decode_address == address]
+        adopted = await self._adopted(flights, router.decode_nodes[address])
         for flight in [f for f in flights if f.rid in adopted]:
             await router.abort_on_prefill(router.drop_prefill_ops(flight), flight.client)
             flight.redrive_pending = False
@@ -135,6 +143,9 @@ class NodeWatch:
             flight.redrives += 1
             flight.prefill_error = None
             flight.current = None
+            # on the router's decode node: the one the prefill node sends KV to (a request
+            # that had moved to a peer starts over there)
+            flight.decode_address = router.decode_address
             await router.send_decode(flight)
             if flight.prefill_ops:
                 flight.redrive_pending = True  # prefill again once they are answered
@@ -148,7 +159,7 @@ class NodeWatch:
             len(flights),
         )
 
-    async def _adopted(self, flights: list) -> set[str]:
+    async def _adopted(self, flights: list, sock: zmq.asyncio.Socket) -> set[str]:
         """The rids of ``flights`` the restarted decode scheduler adopted with their KV (none
         if it does not answer: those start over)."""
         if not flights:
@@ -158,7 +169,7 @@ class NodeWatch:
             "rids": [f.rid for f in flights],
             "clients": [f.client for f in flights],
         }
-        reply = await self.router.call(self.router.decode, query)
+        reply = await self.router.call(sock, query)
         if reply is None or not reply.get("ok"):
             log.warning("the restarted decode scheduler did not say what it adopted: %s", reply)
             return set()

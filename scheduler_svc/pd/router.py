@@ -37,6 +37,13 @@ start over (their prompt prefilled again). A prefill request left without a use 
 ended first) is aborted on the prefill node, so nothing stays held there.
 Undecodable replies are dropped; a ``malformed`` error for a generate
 (damaged on the way) sends it again.
+
+A decode node with ``--migrate-to`` may move a request to its peer decode node
+with its KV (:mod:`scheduler_svc.pd.migrate`). The router asks to follow moves
+(``follow_moves``; ``--relay-moves``: the node relays instead): the node
+answers ``moved`` with the peer's address, and the router re-submits the
+generate there (the peer attaches it to the moved request; the stream restarts
+at offset 0), then streams, aborts and watches the request there.
 """
 
 from __future__ import annotations
@@ -90,12 +97,16 @@ class Router:
         *,
         prefill_timeout_s: float = 10.0,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        follow_moves: bool = True,
         curve: CurveKeys | None = None,
     ) -> None:
         self.listen, self.prefill_address, self.decode_address = listen, prefill, decode
+        # decode nodes by address: the one new requests go to, and those they moved to
+        self.decode_nodes: dict[str, zmq.asyncio.Socket] = {}
         self.curve = curve or CurveKeys()  # server: the client socket; client: the nodes
         self.prefill_timeout_s = prefill_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        self.follow_moves = follow_moves
         self._ops = itertools.count(1)
         self.flights: dict[str, Flight] = {}  # live requests by rid
         self.by_decode_op: dict[int, Flight] = {}
@@ -114,12 +125,12 @@ class Router:
             "prefill_resends": 0,  # re-sent to a restarted prefill scheduler
             "redrives": 0,  # started over on a restarted decode scheduler
             "reattached": 0,  # adopted by a restarted decode scheduler: decoding on
+            "moves_followed": 0,  # moved to another decode node: re-submitted there
         }
 
     async def run(self, ready_file: str | None = None) -> None:
-        ctx = zmq.asyncio.Context()
+        self.ctx = ctx = zmq.asyncio.Context()
         self.front = ctx.socket(zmq.ROUTER)
-        self.decode = ctx.socket(zmq.DEALER)
         self.prefill = ctx.socket(zmq.DEALER)
 
         def announce() -> None:
@@ -128,25 +139,24 @@ class Router:
 
         auth = None
         try:
-            for sock in (self.front, self.decode, self.prefill):
+            for sock in (self.front, self.prefill):
                 sock.setsockopt(zmq.LINGER, 0)
             p.MESSAGE_LIMIT.apply(self.front)
-            for sock in (self.decode, self.prefill):
-                make_client(sock, self.curve.client)
+            make_client(self.prefill, self.curve.client)
             auth = secure_server(ctx, self.front, self.curve.server)
             self.front.bind(self.listen)
-            self.decode.connect(self.decode_address)
+            self.decode = self.decode_node(self.decode_address, spawn=False)
             self.prefill.connect(self.prefill_address)
             loops = [
                 self._from_clients(),
-                self.replies.from_decode(),
+                self.replies.from_decode(self.decode_address, self.decode),
                 self.replies.from_prefill(),
                 self.watch.watch_prefill(),
                 self.watch.watch_decode(),
             ]
             await serve_tasks(loops, self._stop, announce)
         finally:
-            for sock in (self.front, self.decode, self.prefill):
+            for sock in (self.front, self.prefill, *self.decode_nodes.values()):
                 sock.close(0)
             if auth is not None:
                 auth.stop()
@@ -212,6 +222,7 @@ class Router:
             "stream": msg.stream,
             "priority": msg.priority,
             "bootstrap_room": room,
+            "follow_moves": self.follow_moves,  # a move: re-submitted to the peer
         }
         # both nodes put its KV in its namespace (a re-bootstrap's prefill keeps it too)
         for name in ("cache_salt", "extra_key"):
@@ -224,18 +235,37 @@ class Router:
             header["text"] = msg.text
         prompt_len = msg.input_ids.size if msg.input_ids is not None else None
         flight = Flight(identity, msg.op_id, msg.rid, header, arrays, key, prompt_len)
+        flight.decode_address = self.decode_address
         self.flights[msg.rid] = flight
         self.stats["requests"] += 1
         await self.send_decode(flight)
         await self.send_prefill(flight, {**header, "stream": False}, arrays)
 
     async def send_decode(self, flight: Flight) -> None:
-        """(Re-)send the generate to the decode node; replies to an earlier one are dropped."""
+        """(Re-)send the generate to its decode node; replies to an earlier one are dropped."""
         self.by_decode_op.pop(flight.decode_op, None)
         flight.decode_op = self.next_op()
         self.by_decode_op[flight.decode_op] = flight
         frames = wire.pack({**flight.header, "op_id": flight.decode_op}, flight.arrays)
-        await self.decode.send_multipart(frames)
+        await self.decode_of(flight).send_multipart(frames)
+
+    def decode_of(self, flight: Flight) -> zmq.asyncio.Socket:
+        """The socket to the decode node that holds ``flight`` now."""
+        return self.decode_nodes[flight.decode_address or self.decode_address]
+
+    def decode_node(self, address: str, *, spawn: bool = True) -> zmq.asyncio.Socket:
+        """The socket to the decode node at ``address``, connected (with its replies read,
+        unless ``spawn`` is False: the caller reads them) on first use."""
+        sock = self.decode_nodes.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            make_client(sock, self.curve.client)
+            sock.connect(address)
+            self.decode_nodes[address] = sock
+            if spawn:
+                self.spawn(self.replies.from_decode(address, sock))
+        return sock
 
     async def send_prefill(
         self, flight: Flight, header: dict, arrays: dict | None, commit_mark: int = 0
@@ -281,7 +311,8 @@ class Router:
             message = f"request {msg.rid!r} belongs to another client"
             await self.reply(identity, error_reply(msg.op_id, "not_owner", message, 403))
             return
-        found = await self.call(self.decode, {"op": "abort", "rid": msg.rid, "client": msg.client})
+        node = self.decode if flight is None else self.decode_of(flight)
+        found = await self.call(node, {"op": "abort", "rid": msg.rid, "client": msg.client})
         await self.abort_on_prefill(self._prefill_rids(msg.rid), msg.client)
         if found is not None and not found.get("ok"):  # the node knows the owner (a new router)
             await self.reply(identity, wire.pack({**found, "op_id": msg.op_id}))
@@ -292,7 +323,10 @@ class Router:
     async def _flush_cache(self, identity: bytes, msg: p.FlushCache) -> None:
         """SGLang's flush_cache on both nodes: flushed only if both flushed."""
         flushed, messages = True, []
-        for name, sock in (("prefill", self.prefill), ("decode", self.decode)):
+        nodes = [("prefill", self.prefill)]
+        for address, sock in self.decode_nodes.items():  # the moves' peers too
+            nodes.append(("decode" if address == self.decode_address else address, sock))
+        for name, sock in nodes:
             keys = {k: getattr(msg, k) for k in ("cache_salt", "extra_key")}
             reply = await self.call(
                 sock, {"op": "flush_cache", **{k: v for k, v in keys.items() if v is not None}}
@@ -321,12 +355,13 @@ class Router:
         """
         decode = await self.call(self.decode, {"op": "info"})
         prefill = await self.call(self.prefill, {"op": "info"}, timeout=2.0)
-        if decode is None:
-            reply = error_reply(msg.op_id, "unavailable", "the decode node does not answer", 503)
-            await self.reply(identity, reply)
+        router = {**self.stats, "flights": len(self.flights), "decode_nodes": [*self.decode_nodes]}
+        if decode is None:  # (a drained decode node stopped): the router's own figures
+            error = error_header("unavailable", "the decode node does not answer", 503)
+            reply = {**error, "op_id": msg.op_id, "mode": "pd", "prefill": prefill}
+            await self.reply(identity, wire.pack({**reply, "router": router}))
             return
         info = {k: v for k, v in decode.items() if k not in ("op_id", "ok")}
-        router = {**self.stats, "flights": len(self.flights)}
         info.update(mode="pd", prefill=prefill, router=router)
         progress = {"decode": decode.get("progress"), "prefill": (prefill or {}).get("progress")}
         why = wedged(progress, self.stall_timeout_s)
@@ -379,6 +414,14 @@ class RouterConfig:
     prefill_timeout: float = setting(
         10.0, "seconds of silence from the prefill scheduler before its requests fail", forward=True
     )
+    relay_moves: bool = setting(
+        False,
+        "have a decode node relay the replies of a request it moved to its peer "
+        "(--migrate-to), as for any client that does not follow moves; by default the "
+        "router re-submits the request to that peer and streams from there, and the first "
+        "node holds nothing of it",
+        forward=True,
+    )
     stall_timeout: float = setting(
         STALL_TIMEOUT_S,
         "seconds in which no node with queued work makes progress before the router's info "
@@ -419,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         config.decode,
         prefill_timeout_s=config.prefill_timeout,
         stall_timeout_s=config.stall_timeout,
+        follow_moves=not config.relay_moves,
         curve=curve,
     )
     asyncio.run(router.run(args.ready_file))

@@ -4,7 +4,8 @@ A PD stack with two decode nodes: the router sends every request to D1, whose
 pool is too small for them (it retracts to its host store); D1 has
 ``--migrate-to`` D2, a roomy decode node. A retracted request that cannot
 resume on D1 moves to D2 with its host copy and decodes on there; D1 relays its
-replies. Outputs must equal normal mode's without pressure token for token,
+replies (the router's ``--relay-moves``; by default the router follows the move,
+as the drain test checks). Outputs must equal normal mode's without pressure token for token,
 nothing may be computed again, and every memsvc must end idle.
 """
 
@@ -48,6 +49,7 @@ def test_retracted_requests_move_to_the_other_decode_node(launcher, checkpoint, 
         decode_scheduler=PRESSURE,
         migrate_to_pool=ROOMY,
         transfer_backend="zmq",
+        router=["--relay-moves"],
     )
     reqs = growth["reqs"]
     got = run_all(up["router"].address, reqs)
@@ -60,6 +62,8 @@ def test_retracted_requests_move_to_the_other_decode_node(launcher, checkpoint, 
     assert d1["migrated_out_reqs"] > 0, d1
     assert d2["migrated_in_reqs"] == d1["migrated_out_reqs"], (d1, d2)
     assert d1["migrate_failed"] == 0 and d1["aborted_reqs"] == 0
+    # --relay-moves: D1 relayed each moved request's replies (the router followed none).
+    assert d1["migrated_handed_off_reqs"] == 0 and state["router"]["moves_followed"] == 0
     # Every retracted request resumed on D1 or moved: none was computed again.
     assert d1["loaded_reqs"] + d1["migrated_out_reqs"] == d1["offloaded_reqs"]
     assert d1["reprefilled_tokens"] == 0 and d2["prefill_tokens"] == 0
@@ -122,9 +126,10 @@ def test_kvstack_drain_moves_a_decode_node_onto_its_peer(launcher, checkpoint, g
     """``kvstack drain`` (the node's SIGTERM) on a decode node with a peer: every running
     request moves there with its KV (sent straight from its pool pages, no host-store
     copy; before, each was parked in the host store first) and ends token for
-    token as without the move, streamed through the first node; a new request is refused
-    meanwhile (503); the node stops once the last one ended. Nothing is computed again.
-    A node with no peer is not drained."""
+    token as without the move; the router follows each to the peer (before, the first
+    node relayed their replies and could not stop until the last one ended), so the
+    node stops while they still decode there. A new request is refused meanwhile
+    (503). Nothing is computed again. A node with no peer is not drained."""
     up = launcher.start_pd_stack(
         checkpoint, [*POOL, "--num-pages", "512"], PD_SCHEDULER, migrate_to_pool=ROOMY
     )
@@ -153,26 +158,32 @@ def test_kvstack_drain_moves_a_decode_node_onto_its_peer(launcher, checkpoint, g
                 await client.generate([5, 6, 7], rid="late", sampling={"max_new_tokens": 4})
             except GenerateError as exc:
                 refused.append(f"{exc.status_code} {exc}")
+            stopped = await asyncio.to_thread(up["scheduler-d"].proc.wait, 120)
+            ended_at_stop.append(len(results))
             await asyncio.gather(*tasks)
-            drained.append(await draining)
+            drained.append((stopped, *await draining))
 
     address = up["scheduler-d"].address
-    drained: list[tuple[int, str]] = []
+    drained: list[tuple[int, int, str]] = []
     ended_before: list[int] = []
+    ended_at_stop: list[int] = []
     refused_drain = kvstack_drain(up["scheduler-d2"].address)  # no --migrate-to
     assert refused_drain.returncode == 2 and "nowhere to go" in refused_drain.stderr
     asyncio.run(go())
-    assert drained[0][0] == 0 and "drained and stopped" in drained[0][1], drained
+    assert drained[0][:2] == (0, 0) and "drained and stopped" in drained[0][2], drained
     assert {rid: r.output_ids for rid, r in results.items()} == growth["outputs"]
     for rid, want in growth["outputs"].items():  # each token once, in order, through the
         # move (the last step's tokens come with the result, not in a chunk)
         assert streamed[rid] == want[: len(streamed[rid])] and len(streamed[rid]) >= 8, rid
     assert refused and refused[0].startswith("503") and "draining" in refused[0], refused
-    assert up["scheduler-d"].proc.wait(timeout=60) == 0  # it stopped by itself
     with GenerateClient(up["scheduler-d2"].address) as client:
         d2 = client.info()["stats"]
     # Those still running when it drained moved (the shortest may have ended before).
-    assert 1 <= d2["migrated_in_reqs"] <= len(reqs) - ended_before[0], d2
+    moved = d2["migrated_in_reqs"]
+    assert 1 <= moved <= len(reqs) - ended_before[0], d2
+    # The router followed each move: the node stopped before the moved requests ended.
+    assert info(up["router"])["router"]["moves_followed"] == moved
+    assert ended_at_stop[0] < len(reqs), (ended_at_stop, ended_before, moved)
     assert d2["prefill_tokens"] == 0, d2
     with GenerateClient(up["scheduler-p"].address) as client:
         prefilled = client.info()["stats"]["prefill_tokens"]

@@ -219,3 +219,59 @@ def _raw_call(address: str, header: dict[str, Any]) -> dict[str, Any]:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_the_router_follows_a_request_that_moved_to_another_decode_node(
+    router, nodes, tmp_path
+) -> None:
+    """A decode node that moves a request to its peer (issue 32: draining, or a retract
+    victim) answers the router ``moved``: the router re-submits the generate there
+    (same rid, client and room), streams from it, and sends the owner's abort there.
+    Before, the first node had to relay every reply until the request ended, so a
+    drained node could not stop while its moved requests decoded on."""
+    decode = nodes["decode"]
+    peer = RecordingNode(f"ipc://{tmp_path}/peer.sock", 3)
+    with GenerateClient(router.address, timeout_s=30, resubmits=0) as owner:
+
+        def moved(identity: bytes, header: dict[str, Any]) -> None:
+            assert header.get("follow_moves") is True, header
+            reply = {"ok": True, "op_id": header["op_id"], "type": "moved", "rid": header["rid"]}
+            decode._send(identity, {**reply, "peer": peer.address})
+
+        decode.on_op["generate"] = moved
+        results: list[Any] = []
+        waiting = threading.Thread(
+            target=lambda: results.append(owner.generate(PROMPT, sampling=SAMPLING, rid="m"))
+        )
+        try:
+            waiting.start()
+            _wait_for(lambda: peer.seen("generate", "m"))
+            (first,) = decode.seen("generate", "m")
+            (again,) = peer.seen("generate", "m")
+            for key in ("client", "bootstrap_room", "sampling"):
+                assert again[key] == first[key], key
+            assert owner.abort("m") is True  # to the node that holds it now
+            waiting.join(timeout=10)
+            assert results and results[0].finish_reason["type"] == "abort", results
+            assert peer.seen("abort", "m") and not decode.seen("abort", "m")
+            assert owner.info()["router"]["moves_followed"] == 1
+        finally:
+            waiting.join(timeout=10)
+            peer.close()
+
+
+def test_a_move_to_a_bad_address_fails_the_request_alone(router, nodes) -> None:
+    """A decode node's ``moved`` naming something that is not a ZMQ endpoint fails that
+    request (502) and nothing else; the router connects nowhere."""
+    decode = nodes["decode"]
+
+    def moved(identity: bytes, header: dict[str, Any]) -> None:
+        reply = {"ok": True, "op_id": header["op_id"], "type": "moved", "rid": header["rid"]}
+        decode._send(identity, {**reply, "peer": "http://elsewhere"})
+
+    decode.on_op["generate"] = moved
+    with GenerateClient(router.address, timeout_s=30, resubmits=0) as owner:
+        with pytest.raises(GenerateError) as failed:
+            owner.generate(PROMPT, sampling=SAMPLING, rid="b")
+        assert failed.value.status_code == 502 and "bad address" in str(failed.value)
+        assert owner.info()["router"]["moves_followed"] == 0
