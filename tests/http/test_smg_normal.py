@@ -304,7 +304,11 @@ def _kill_under_smg(router: Smg, survivor: Front, doomed: Front) -> None:
                 *(post(http, survivor.url + "/generate", {**b, "stream": False}) for b in bodies)
             )
             before = await served(http, survivor)
-            tasks = [asyncio.ensure_future(post(http, router.url + "/generate", b)) for b in bodies]
+            # (SMG may answer 503 no_available_workers while the node that just joined is
+            # not healthy yet, or its breaker holds workers back: sent again meanwhile)
+            url = router.url + "/generate"
+            send = post_once_smg_has_a_worker
+            tasks = [asyncio.ensure_future(send(http, url, b)) for b in bodies]
             # Both nodes got some (not necessarily at the same moment: on a loaded machine
             # the survivor's may be done before the doomed node's start), and the doomed
             # node is running its own when it is killed.
@@ -314,9 +318,10 @@ def _kill_under_smg(router: Smg, survivor: Front, doomed: Front) -> None:
                 on_doomed = await running(http, doomed)
                 if survivor_had and on_doomed:
                     break
+                answered = [str(t.result())[:200] for t in tasks if t.done()]
                 assert time.monotonic() < deadline, (
                     f"the requests did not reach both nodes: survivor had some {survivor_had}, "
-                    f"the doomed node runs {on_doomed}"
+                    f"the doomed node runs {on_doomed}; SMG answered {answered}"
                 )
                 await asyncio.sleep(0.05)
             doomed.proc.send_signal(signal.SIGKILL)
