@@ -311,8 +311,10 @@ def _kill_under_smg(router: Smg, survivor: Front, doomed: Front) -> None:
             tasks = [asyncio.ensure_future(send(http, url, b)) for b in bodies]
             # Both nodes got some (not necessarily at the same moment: on a loaded machine
             # the survivor's may be done before the doomed node's start), and the doomed
-            # node is running its own when it is killed.
-            deadline = time.monotonic() + 60
+            # node is running its own when it is killed. A batch that ended before that
+            # was seen (ci24, ci25: every answer a 200, neither node seen serving one)
+            # is sent again.
+            deadline = time.monotonic() + 120
             while True:
                 survivor_had = await served(http, survivor) > before
                 on_doomed = await running(http, doomed)
@@ -323,6 +325,8 @@ def _kill_under_smg(router: Smg, survivor: Front, doomed: Front) -> None:
                     f"the requests did not reach both nodes: survivor had some {survivor_had}, "
                     f"the doomed node runs {on_doomed}; SMG answered {answered}"
                 )
+                if len(answered) == len(tasks):
+                    tasks = [asyncio.ensure_future(send(http, url, b)) for b in bodies]
                 await asyncio.sleep(0.05)
             doomed.proc.send_signal(signal.SIGKILL)
             got = await asyncio.gather(*tasks, return_exceptions=True)
