@@ -76,7 +76,13 @@ class NixlMover:
             ) from exc
         if not allow_remote:
             confine_ucx_to_loopback()
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's spins with no pause (the Python API sets its delay
+        # to 0), a core per memsvc even when idle. UCX progresses when this side polls
+        # a transfer (:meth:`poll`, the sender) or asks for notifications
+        # (:meth:`progress`, the receiver, while it waits for pages).
+        self.agent = nixl_agent(
+            agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         kv = pool.buffers.kv
         if isinstance(kv, np.ndarray):
             self.base, self.mem, self.device = int(kv.ctypes.data), "DRAM", 0
@@ -148,6 +154,11 @@ class NixlMover:
         if self.agent.transfer(room.handle) == "ERR":
             self._release(room)
             raise RuntimeError("NIXL refused to post the transfer")
+
+    def progress(self) -> None:
+        """Let UCX advance what peers do to this side's memory (connection set-up, the
+        writes of a transport that needs the target's help, such as TCP)."""
+        self.agent.get_new_notifs()
 
     def poll(self, room: Room) -> str:
         state = self.agent.check_xfer_state(room.handle)
@@ -221,6 +232,9 @@ class ZmqMover:
             payload = np.ascontiguousarray(buffers.swa_kv[chunk])  # shm: a host array
             header = {"t": "data", "room": room.room, "start": start, "pool": "swa"}
             peer.send_multipart(pack_frames(header, payload))
+
+    def progress(self) -> None:
+        """Nothing to advance: the pages come as frames on the listener."""
 
     def poll(self, room: Room) -> str:
         return "DONE"

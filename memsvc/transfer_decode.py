@@ -32,6 +32,8 @@ from memsvc.transfer_rooms import (
 
 log = logging.getLogger("memsvc.transfer")
 
+NIXL_PROGRESS_S = 0.001  # UCX progress while rooms wait for NIXL writes (no progress thread)
+
 
 class DecodeSide:
     """The decode role's rooms and listener (see the module docstring)."""
@@ -69,15 +71,18 @@ class DecodeSide:
         return self.sock
 
     def progress(self, now: float) -> float:
-        """Fail waiting rooms once no prefill peer has been heard for too long."""
+        """Fail waiting rooms once no prefill peer has been heard for too long; while
+        rooms wait for NIXL writes, let UCX progress every :data:`NIXL_PROGRESS_S`."""
         silent = now - self.last_peer_seen
-        if silent > self.peer_timeout_s:
-            for room in self.rooms.values():
-                if (
-                    room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
-                    and now - room.created > self.peer_timeout_s
-                ):
+        waiting = False
+        for room in self.rooms.values():
+            if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
+                waiting = True
+                if silent > self.peer_timeout_s and now - room.created > self.peer_timeout_s:
                     self.book.finish(room, f"prefill node unreachable for {silent:.1f}s")
+        if waiting and isinstance(self.mover, NixlMover):
+            self.mover.progress()
+            return NIXL_PROGRESS_S
         return 0.25
 
     def cancel(self, room: Room) -> None:

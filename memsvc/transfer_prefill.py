@@ -245,7 +245,7 @@ class PrefillSide:
                 self._abort_send(room, "the NIXL transfer failed")
             elif state == "DONE":
                 self._send_done(room, now)
-            return 0.0005
+            return 0.001  # the poll drives UCX (no progress thread): each ms
         if room.state is KVPoll.TRANSFERRING and now - room.waiting_since > self.peer_timeout_s:
             self.book.finish(room, "the decode node did not confirm the transfer")
         return 0.25

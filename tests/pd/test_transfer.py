@@ -249,3 +249,47 @@ def test_sigterm_after_a_transfer_exits_zero_and_unlinks_the_pools(
         assert service.stop(signal.SIGTERM) == 0, service.log()[-2000:]
         assert service.leaked_segments == [], service.name
         assert "memsvc stopped" in service.log()
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_nixl_pair_leaves_the_cores_alone(memsvc_factory, tmp_path):
+    """NIXL's progress thread spins with no pause: with it, each memsvc of a pair took a
+    whole core, idle or not. After a transfer (UCX connected both ways) and with a room
+    expected but not sent (memsvc-D lets UCX progress each millisecond), both stay far
+    below a core."""
+    prefill, decode = pd_pair(memsvc_factory, tmp_path, "nixl")
+    window_s = 2.0
+    with MemClient(prefill.address) as p, MemClient(decode.address) as d:
+        for rid in ("sent", "waiting"):
+            d.alloc_row(rid)
+            d.alloc_extend([(rid, 8)])
+        p.alloc_row("sent")
+        p.alloc_extend([("sent", 8)])
+        p.pd_send("sent", 1, 8, first_token=1, cached_tokens=0)
+        d.pd_expect("sent", 1)
+        assert wait_state(d, 1)["state"] == KVPoll.SUCCESS
+        assert wait_state(p, 1)["state"] == KVPoll.SUCCESS
+        for expecting in (False, True):
+            if expecting:
+                d.pd_expect("waiting", 2)  # the decode side now waits for pages
+            before = {s.name: cpu_seconds(s.proc.pid) for s in (prefill, decode)}
+            time.sleep(window_s)
+            used = {s.name: cpu_seconds(s.proc.pid) - before[s.name] for s in (prefill, decode)}
+            # A spinning thread gets a core, or a good share of one on a busy machine.
+            assert all(cpu < 0.25 * window_s for cpu in used.values()), (
+                f"memsvc CPU seconds in {window_s:g} s idle, decode side expecting a room: "
+                f"{expecting}: {used}"
+            )
+        d.pd_forget([1, 2])  # the room still waiting is dropped
+        p.pd_forget([1])
+        p.release("sent", is_insert=False)
+        d.free_row("sent")
+        d.free_row("waiting")
+        p.check(idle=True)
+        d.check(idle=True)
