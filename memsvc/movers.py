@@ -56,6 +56,9 @@ def pack_frames(header: dict[str, Any], payload: bytes | memoryview | None = Non
     return frames
 
 
+NIXL_PROGRESS_S = 0.001  # UCX progress while pages are awaited (no progress thread)
+
+
 class NixlMover:
     """Pages moved by NIXL (UCX): memsvc-P WRITEs straight into memsvc-D's pool.
 
@@ -155,10 +158,12 @@ class NixlMover:
             self._release(room)
             raise RuntimeError("NIXL refused to post the transfer")
 
-    def progress(self) -> None:
+    def progress(self) -> float:
         """Let UCX advance what peers do to this side's memory (connection set-up, the
-        writes of a transport that needs the target's help, such as TCP)."""
+        writes of a transport that needs the target's help, such as TCP); returns the
+        seconds until it wants to run again while pages are awaited."""
         self.agent.get_new_notifs()
+        return NIXL_PROGRESS_S
 
     def poll(self, room: Room) -> str:
         state = self.agent.check_xfer_state(room.handle)
@@ -234,7 +239,7 @@ class ZmqMover:
             peer.send_multipart(pack_frames(header, payload))
 
     def progress(self) -> None:
-        """Nothing to advance: the pages come as frames on the listener."""
+        """Nothing to advance (None): the pages come as frames on the listener."""
 
     def poll(self, room: Room) -> str:
         return "DONE"

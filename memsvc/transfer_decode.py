@@ -32,7 +32,7 @@ from memsvc.transfer_rooms import (
 
 log = logging.getLogger("memsvc.transfer")
 
-NIXL_PROGRESS_S = 0.001  # UCX progress while rooms wait for NIXL writes (no progress thread)
+WAITING = (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)  # a room whose pages may still come
 
 
 class DecodeSide:
@@ -72,17 +72,16 @@ class DecodeSide:
 
     def progress(self, now: float) -> float:
         """Fail waiting rooms once no prefill peer has been heard for too long; while
-        rooms wait for NIXL writes, let UCX progress every :data:`NIXL_PROGRESS_S`."""
+        rooms wait for pages, let the mover progress (NIXL: UCX, each millisecond)."""
         silent = now - self.last_peer_seen
-        waiting = False
-        for room in self.rooms.values():
-            if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
-                waiting = True
-                if silent > self.peer_timeout_s and now - room.created > self.peer_timeout_s:
+        if silent > self.peer_timeout_s:
+            for room in self.rooms.values():
+                if room.state in WAITING and now - room.created > self.peer_timeout_s:
                     self.book.finish(room, f"prefill node unreachable for {silent:.1f}s")
-        if waiting and isinstance(self.mover, NixlMover):
-            self.mover.progress()
-            return NIXL_PROGRESS_S
+        if any(room.state in WAITING for room in self.rooms.values()):
+            wake = self.mover.progress()
+            if wake is not None:
+                return wake
         return 0.25
 
     def cancel(self, room: Room) -> None:
